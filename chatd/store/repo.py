@@ -1,0 +1,447 @@
+"""The conversation store's repository: queries in, frozen dataclasses out.
+
+Every public method is one database transaction: it either happens completely or not at all, and
+what it returns was read inside that transaction. No ORM object ever leaves this module.
+
+Concurrency: methods that write start with a write to the session row (an UPDATE), which takes
+SQLite's write lock or PostgreSQL's row lock before anything is read. Two writers to the same
+session therefore run one after the other, and SQLite never has to abort a transaction whose
+snapshot went stale. Writers to different sessions only contend on SQLite's single write lock,
+which they wait for (busy timeout) rather than fail.
+
+Timestamps are timezone-aware UTC on the way in and out (SQLite drops the offset; reads restore it).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from chatd.errors import BadRequest, NotFound
+from chatd.store.models import (
+    FINISH_REASONS,
+    MAX_TOKEN_ID,
+    ROLES,
+    SESSION_ID_MAX_CHARS,
+    Base,
+    EditRow,
+    MessageRow,
+    SessionRow,
+    SnapshotRow,
+    utc,
+)
+
+# ORM-enabled UPDATE/DELETE would otherwise look for affected objects in the session; we hold none.
+_NO_SYNC = {"synchronize_session": False}
+_R = TypeVar("_R", "SessionRecord", "SnapshotRecord")
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session_id: str
+    title: str
+    created_at: datetime
+    updated_at: datetime
+    message_count: int
+    """Messages in the active conversation (archived ones excluded)."""
+    token_count: int
+    """Sum of the active messages' token counts."""
+
+
+@dataclass(frozen=True)
+class MessageRecord:
+    message_id: int
+    session_id: str
+    index: int
+    """0-based position in the conversation (for an archived message: where it was)."""
+    role: str
+    content: str
+    token_ids: tuple[int, ...]
+    created_at: datetime
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class EditRecord:
+    edit_id: int
+    session_id: str
+    index: int
+    """The edited position: messages from here on were archived."""
+    created_at: datetime
+    archived: tuple[MessageRecord, ...]
+    """The messages this edit replaced, ordered by index."""
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    session_id: str
+    file_name: str
+    num_tokens: int
+    file_bytes: int
+    raw_bytes: int
+    fingerprint: str
+    ids_digest: str
+    created_at: datetime
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
+    # Checked here so a bad id fails before the transaction, as a plain ValueError.
+    try:
+        ids = tuple(map(operator.index, token_ids))
+    except TypeError as exc:
+        raise ValueError(f"token ids must be integers: {exc}") from exc
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        raise ValueError(f"token ids must be in 0..{MAX_TOKEN_ID}")
+    return ids
+
+
+def _record(cls: type[_R], row: Base) -> _R:
+    # SessionRecord and SnapshotRecord mirror their rows' column names one to one.
+    return cls(**{f.name: getattr(row, f.name) for f in fields(cls)})
+
+
+def _message_record(row: MessageRow) -> MessageRecord:
+    return MessageRecord(
+        message_id=row.id,
+        session_id=row.session_id,
+        index=row.position,
+        role=row.role,
+        content=row.content,
+        token_ids=row.token_ids,
+        created_at=row.created_at,
+        finish_reason=row.finish_reason,
+        usage=row.usage,
+    )
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise BadRequest(f"role must be one of {', '.join(ROLES)}")
+
+
+async def _update_session(db: AsyncSession, session_id: str, **values: Any) -> int:
+    """UPDATE the session row (taking its lock) and return its message_count; NotFound if none."""
+    result = await db.execute(
+        update(SessionRow)
+        .where(SessionRow.session_id == session_id)
+        .values(**values)
+        .returning(SessionRow.message_count),
+        execution_options=_NO_SYNC,
+    )
+    count = result.scalar_one_or_none()
+    if count is None:
+        raise NotFound("session not found")
+    return int(count)
+
+
+def _new_message(
+    session_id: str,
+    position: int,
+    role: str,
+    content: str,
+    token_ids: tuple[int, ...],
+    now: datetime,
+    finish_reason: str | None = None,
+    usage: dict[str, Any] | None = None,
+) -> MessageRow:
+    return MessageRow(
+        session_id=session_id,
+        position=position,
+        role=role,
+        content=content,
+        token_ids=token_ids,
+        num_tokens=len(token_ids),
+        created_at=now,
+        finish_reason=finish_reason,
+        # A copy: the returned record must not change when the caller's dict does.
+        usage=None if usage is None else dict(usage),
+        archived_by_edit=None,
+    )
+
+
+def _session_filter(session_ids: Collection[str] | None) -> list[Any]:
+    return [] if session_ids is None else [SessionRow.session_id.in_(list(session_ids))]
+
+
+class Repo:
+    """Async access to sessions, messages, edits and snapshot records.
+
+    ``clock`` returns the current time (aware); tests may pass a fake one.
+    """
+
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        *,
+        clock: Callable[[], datetime] = _utcnow,
+    ) -> None:
+        self._sessionmaker = sessionmaker
+        self._clock = clock
+
+    def _now(self) -> datetime:
+        return utc(self._clock())
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    async def create_session(self, session_id: str, title: str) -> SessionRecord:
+        """Create an empty session. BadRequest for an empty, too long or already used id."""
+        if not session_id or len(session_id) > SESSION_ID_MAX_CHARS:
+            raise BadRequest(f"session id must be 1..{SESSION_ID_MAX_CHARS} characters")
+        now = self._now()
+        record = SessionRecord(session_id, title, now, now, 0, 0)
+        try:
+            async with self._sessionmaker.begin() as db:
+                db.add(SessionRow(**asdict(record)))
+        except IntegrityError as exc:
+            raise BadRequest("session id already exists") from exc
+        return record
+
+    async def get_session(self, session_id: str) -> SessionRecord | None:
+        """The session, or None when there is none with that id."""
+        async with self._sessionmaker.begin() as db:
+            row = await db.get(SessionRow, session_id)
+            return None if row is None else _record(SessionRecord, row)
+
+    async def list_sessions(
+        self, *, limit: int = 50, offset: int = 0, session_ids: Collection[str] | None = None
+    ) -> list[SessionRecord]:
+        """A page of sessions, most recently updated first (ties by id, so pages are stable).
+
+        ``session_ids`` keeps only those sessions (unknown ids are ignored); it is sent as
+        bound parameters, so keep it to a few thousand ids.
+        """
+        if limit < 0 or offset < 0:
+            raise BadRequest("limit and offset must not be negative")
+        query = (
+            select(SessionRow)
+            .where(*_session_filter(session_ids))
+            .order_by(SessionRow.updated_at.desc(), SessionRow.session_id)
+            .limit(limit)
+            .offset(offset)
+        )
+        async with self._sessionmaker.begin() as db:
+            return [_record(SessionRecord, row) for row in (await db.scalars(query))]
+
+    async def count_sessions(self, session_ids: Collection[str] | None = None) -> int:
+        """How many sessions exist (of ``session_ids``, when given)."""
+        query = select(func.count()).select_from(SessionRow).where(*_session_filter(session_ids))
+        async with self._sessionmaker.begin() as db:
+            return int((await db.execute(query)).scalar_one())
+
+    async def all_session_ids(self) -> list[str]:
+        """Every session id, sorted."""
+        async with self._sessionmaker.begin() as db:
+            result = await db.scalars(select(SessionRow.session_id).order_by(SessionRow.session_id))
+            return list(result)
+
+    async def set_title(self, session_id: str, title: str) -> SessionRecord:
+        """Rename a session; updated_at moves to now. NotFound for an unknown session."""
+        async with self._sessionmaker.begin() as db:
+            updated = await db.scalars(
+                update(SessionRow)
+                .where(SessionRow.session_id == session_id)
+                .values(title=title, updated_at=self._now())
+                .returning(SessionRow),
+                execution_options=_NO_SYNC,
+            )
+            row = updated.first()
+            if row is None:
+                raise NotFound("session not found")
+            return _record(SessionRecord, row)
+
+    async def delete_session(self, session_id: str) -> bool:
+        """Delete a session with its messages, edits and snapshot record; False if unknown.
+
+        The snapshot file on disk is the caller's to remove.
+        """
+        async with self._sessionmaker.begin() as db:
+            deleted = await db.execute(
+                delete(SessionRow)
+                .where(SessionRow.session_id == session_id)
+                .returning(SessionRow.session_id),
+                execution_options=_NO_SYNC,
+            )
+            return deleted.first() is not None
+
+    # -- messages ------------------------------------------------------------------------------
+
+    async def get_messages(self, session_id: str) -> list[MessageRecord]:
+        """The active conversation, ordered by index (0..message_count-1). NotFound."""
+        async with self._sessionmaker.begin() as db:
+            rows = await db.scalars(
+                select(MessageRow)
+                .where(MessageRow.session_id == session_id, MessageRow.archived_by_edit.is_(None))
+                .order_by(MessageRow.position)
+            )
+            messages = [_message_record(row) for row in rows]
+            if not messages and await db.get(SessionRow, session_id) is None:
+                raise NotFound("session not found")
+            return messages
+
+    async def append_message(
+        self,
+        session_id: str,
+        role: str,
+        content: str,
+        token_ids: Sequence[int],
+        *,
+        finish_reason: str | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> MessageRecord:
+        """Append a message at index message_count; counts and updated_at change with it.
+
+        NotFound for an unknown session; BadRequest for an unknown role or finish reason;
+        ValueError for token ids outside uint32.
+        """
+        _check_role(role)
+        if finish_reason is not None and finish_reason not in FINISH_REASONS:
+            raise BadRequest(f"finish_reason must be one of {', '.join(FINISH_REASONS)}")
+        ids = _token_ids(token_ids)
+        now = self._now()
+        async with self._sessionmaker.begin() as db:
+            # Counting first reserves the index under the session's lock (module docstring).
+            new_count = await _update_session(
+                db,
+                session_id,
+                message_count=SessionRow.message_count + 1,
+                token_count=SessionRow.token_count + len(ids),
+                updated_at=now,
+            )
+            row = _new_message(
+                session_id, new_count - 1, role, content, ids, now, finish_reason, usage
+            )
+            db.add(row)
+            await db.flush()
+            return _message_record(row)
+
+    async def replace_from(
+        self, session_id: str, index: int, role: str, content: str, token_ids: Sequence[int]
+    ) -> tuple[MessageRecord, EditRecord]:
+        """Replace message ``index`` and drop every later one from the active conversation.
+
+        The replaced messages are kept, archived under a new edit (returned, with them). After
+        this the conversation has index + 1 messages and its counts match them. NotFound for an
+        unknown session; BadRequest for an index outside 0..message_count-1 or a bad role.
+        """
+        _check_role(role)
+        ids = _token_ids(token_ids)
+        now = self._now()
+        async with self._sessionmaker.begin() as db:
+            count = await _update_session(db, session_id, updated_at=now)
+            if not 0 <= index < count:
+                # Leaving the block with an exception rolls the touch of updated_at back.
+                raise BadRequest(f"message index {index} is out of range (0..{count - 1})")
+
+            edit = EditRow(session_id=session_id, position=index, created_at=now)
+            db.add(edit)
+            await db.flush()
+            replaced = list(
+                await db.scalars(
+                    select(MessageRow)
+                    .where(
+                        MessageRow.session_id == session_id,
+                        MessageRow.archived_by_edit.is_(None),
+                        MessageRow.position >= index,
+                    )
+                    .order_by(MessageRow.position)
+                )
+            )
+            for old in replaced:
+                old.archived_by_edit = edit.id
+            # The archived rows must leave the active set before the new row takes their index.
+            await db.flush()
+
+            new = _new_message(session_id, index, role, content, ids, now)
+            db.add(new)
+            await db.flush()
+            # Recounted from the rows rather than adjusted, so the counts cannot drift.
+            active_tokens = (
+                select(func.coalesce(func.sum(MessageRow.num_tokens), 0))
+                .where(MessageRow.session_id == session_id, MessageRow.archived_by_edit.is_(None))
+                .scalar_subquery()
+            )
+            await db.execute(
+                update(SessionRow)
+                .where(SessionRow.session_id == session_id)
+                .values(message_count=index + 1, token_count=active_tokens),
+                execution_options=_NO_SYNC,
+            )
+            archived = tuple(_message_record(old) for old in replaced)
+            edit_record = EditRecord(edit.id, session_id, index, edit.created_at, archived)
+            return _message_record(new), edit_record
+
+    async def list_edits(self, session_id: str) -> list[EditRecord]:
+        """The session's edits, oldest first, each with the messages it archived. NotFound."""
+        async with self._sessionmaker.begin() as db:
+            if await db.get(SessionRow, session_id) is None:
+                raise NotFound("session not found")
+            edits = list(
+                await db.scalars(
+                    select(EditRow).where(EditRow.session_id == session_id).order_by(EditRow.id)
+                )
+            )
+            archived: dict[int, list[MessageRecord]] = {edit.id: [] for edit in edits}
+            rows = await db.scalars(
+                select(MessageRow)
+                .where(MessageRow.session_id == session_id, MessageRow.archived_by_edit.is_not(None))
+                .order_by(MessageRow.position)
+            )
+            for row in rows:
+                assert row.archived_by_edit is not None
+                archived[row.archived_by_edit].append(_message_record(row))
+            return [
+                EditRecord(e.id, e.session_id, e.position, e.created_at, tuple(archived[e.id]))
+                for e in edits
+            ]
+
+    # -- snapshot records ----------------------------------------------------------------------
+
+    async def put_snapshot(self, record: SnapshotRecord) -> None:
+        """Record (or replace) the session's one snapshot. NotFound for an unknown session.
+
+        ``created_at`` must be timezone-aware (ValueError otherwise); it is read back in UTC.
+        """
+        if record.created_at.tzinfo is None:
+            raise ValueError("created_at must be timezone-aware")
+        async with self._sessionmaker.begin() as db:
+            # A no-op write that locks the session row first, so that two puts for one session
+            # cannot both find no record and both insert.
+            await _update_session(db, record.session_id, message_count=SessionRow.message_count)
+            await db.merge(SnapshotRow(**asdict(record)))
+
+    async def get_snapshot(self, session_id: str) -> SnapshotRecord | None:
+        """The session's snapshot record, or None (also for an unknown session)."""
+        async with self._sessionmaker.begin() as db:
+            row = await db.get(SnapshotRow, session_id)
+            return None if row is None else _record(SnapshotRecord, row)
+
+    async def delete_snapshot(self, session_id: str) -> bool:
+        """Forget the session's snapshot record; False when there was none."""
+        async with self._sessionmaker.begin() as db:
+            deleted = await db.execute(
+                delete(SnapshotRow)
+                .where(SnapshotRow.session_id == session_id)
+                .returning(SnapshotRow.session_id),
+                execution_options=_NO_SYNC,
+            )
+            return deleted.first() is not None
+
+    async def list_snapshots(self) -> list[SnapshotRecord]:
+        """Every snapshot record, oldest first (ties by session id)."""
+        async with self._sessionmaker.begin() as db:
+            rows = await db.scalars(
+                select(SnapshotRow).order_by(SnapshotRow.created_at, SnapshotRow.session_id)
+            )
+            return [_record(SnapshotRecord, row) for row in rows]
