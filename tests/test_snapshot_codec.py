@@ -1,0 +1,432 @@
+"""Snapshot codec: bit-exact round trips, streaming into views, and every kind of bad file rejected."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import struct
+import zlib
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from chatd.errors import (
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotIdsMismatch,
+    SnapshotModelMismatch,
+    SnapshotTruncated,
+    SnapshotVersionError,
+)
+from chatd.kv.snapshot import (
+    FORMAT_VERSION,
+    MAGIC,
+    PREFIX_BYTES,
+    ModelFingerprint,
+    SnapshotInfo,
+    allocate_targets,
+    read_info,
+    read_snapshot,
+    snapshot_targets_shape,
+    write_snapshot,
+)
+
+KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def fingerprint(dtype: str = "float32", num_layers: int = 30, num_kv_heads: int = 3, head_dim: int = 64):
+    return ModelFingerprint("SmolLM2-135M-Instruct", "ab12" * 16, dtype, num_layers, num_kv_heads, head_dim)
+
+
+def kv_like(fp: ModelFingerprint, num_tokens: int, seed: int = 0) -> KVPairs:
+    """Random K/V shaped like a real cache: per-channel scales, so byte planes differ like real KV."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, fp.dtype)
+    shape = (fp.num_kv_heads, num_tokens, fp.head_dim)
+    layers = []
+    for _ in range(fp.num_layers):
+        scale = torch.rand((fp.num_kv_heads, 1, fp.head_dim), generator=gen) * 4
+        keys = torch.randn(shape, generator=gen) * scale
+        values = torch.randn(shape, generator=gen) * 0.5
+        layers.append((keys.to(dtype), values.to(dtype)))
+    return layers
+
+
+def with_special_values(layers: KVPairs) -> KVPairs:
+    """Plant -0.0, +-inf, NaNs with distinct payloads and subnormals into the first layer's K and V."""
+    keys, values = layers[0]
+    ints = INT_VIEW[keys.dtype]
+    bits = keys.view(ints).reshape(-1)
+    if keys.dtype == torch.float32:
+        # -0.0, +inf, -inf, quiet NaN with payload, signalling NaN, negative NaN, subnormals.
+        specials = [0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0x7F800123, 0xFFC0BEEF, 0x1, 0x807FFFFF]
+    else:  # 16-bit: bf16 and fp16 both put the sign in the top bit
+        exp_all = 0x7F80 if keys.dtype == torch.bfloat16 else 0x7C00
+        specials = [0x8000, exp_all, exp_all | 0x8000, exp_all | 0x41, exp_all | 0x3, 0x0001, 0x8002]
+    for offset, raw in enumerate(specials):
+        # Reinterpret the unsigned pattern as the signed int dtype of the view.
+        width = 32 if keys.dtype == torch.float32 else 16
+        bits[offset] = raw - (1 << width) if raw >= 1 << (width - 1) else raw
+    values.view(ints).reshape(-1)[-len(specials) :] = bits[: len(specials)].clone()
+    return layers
+
+
+def encode(fp: ModelFingerprint, ids: list[int], layers: KVPairs, **kwargs: object) -> bytes:
+    out = io.BytesIO()
+    written = write_snapshot(out, fp, ids, layers, **kwargs)  # type: ignore[arg-type]
+    assert written == len(out.getvalue())
+    return out.getvalue()
+
+
+def decode(data: bytes, fp: ModelFingerprint, ids: list[int] | None, num_tokens: int) -> KVPairs:
+    targets = allocate_targets(fp, num_tokens)
+    read_snapshot(io.BytesIO(data), expected=fp, expected_ids=ids, targets=targets)
+    return targets
+
+
+def assert_bit_equal(got: KVPairs, want: KVPairs) -> None:
+    assert len(got) == len(want)
+    for (gk, gv), (wk, wv) in zip(got, want, strict=True):
+        for g, w in ((gk, wk), (gv, wv)):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            assert torch.equal(g.view(INT_VIEW[g.dtype]), w.view(INT_VIEW[w.dtype]))
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("num_tokens", [1, 7, 301])
+def test_round_trip_is_bit_exact(dtype: str, num_tokens: int) -> None:
+    fp = fingerprint(dtype)
+    layers = with_special_values(kv_like(fp, num_tokens))
+    ids = [(i * 7919) % 49152 for i in range(num_tokens)]
+    data = encode(fp, ids, layers)
+    got = decode(data, fp, ids, num_tokens)
+    assert_bit_equal(got, layers)
+    # The specials really are there (so the test could catch a float-normalising codec).
+    first_k = got[0][0].float().reshape(-1)
+    assert torch.isnan(first_k[:8]).any() and torch.isinf(first_k[:8]).any()
+
+
+def test_info_describes_the_snapshot() -> None:
+    fp = fingerprint("bfloat16", num_layers=4, num_kv_heads=2, head_dim=8)
+    ids = [5, 1, 2**32 - 1, 0]
+    data = encode(fp, ids, kv_like(fp, 4), level=3)
+    info = read_info(io.BytesIO(data))
+    assert info == SnapshotInfo(
+        FORMAT_VERSION, fp, tuple(ids), "bfloat16", 3, raw_bytes=4 * 2 * 2 * 4 * 8 * 2
+    )
+    assert info.num_tokens == 4 and info.lossless
+    assert data.startswith(MAGIC)
+    assert snapshot_targets_shape(fp, 4) == (2, 4, 8)
+
+
+def test_zero_tokens_round_trip() -> None:
+    fp = fingerprint(num_layers=2)
+    data = encode(fp, [], kv_like(fp, 0))
+    assert decode(data, fp, [], 0)[1][1].shape == (3, 0, 64)
+
+
+def test_views_into_larger_buffers_in_and_out() -> None:
+    fp = fingerprint("bfloat16", num_layers=3)
+    capacity, num_tokens = 512, 129
+    layers = kv_like(fp, num_tokens, seed=3)
+    # Source: views into [1, kv_heads, capacity, head_dim] buffers, like a growable cache.
+    src_bufs = [torch.randn(2, 1, 3, capacity, 64).to(torch.bfloat16) for _ in layers]
+    src_views: KVPairs = []
+    for buf, (k, v) in zip(src_bufs, layers, strict=True):
+        buf[0, 0, :, :num_tokens].copy_(k)
+        buf[1, 0, :, :num_tokens].copy_(v)
+        src_views.append((buf[0, 0, :, :num_tokens], buf[1, 0, :, :num_tokens]))
+    assert not src_views[0][0].is_contiguous() and src_views[0][0][1].is_contiguous()
+    ids = list(range(num_tokens))
+    data = encode(fp, ids, src_views)
+    # Targets: views too; the memory beyond the view must stay exactly as it was.
+    dst_bufs = [torch.full((2, 1, 3, capacity, 64), -7.0, dtype=torch.bfloat16) for _ in layers]
+    before = [buf.clone() for buf in dst_bufs]
+    targets = [(buf[0, 0, :, :num_tokens], buf[1, 0, :, :num_tokens]) for buf in dst_bufs]
+    read_snapshot(io.BytesIO(data), expected=fp, expected_ids=ids, targets=targets)
+    assert_bit_equal(targets, layers)
+    for buf, old in zip(dst_bufs, before, strict=True):
+        assert torch.equal(
+            buf[:, :, :, num_tokens:].view(torch.int16), old[:, :, :, num_tokens:].view(torch.int16)
+        )
+
+
+def test_non_contiguous_slabs_still_round_trip() -> None:
+    # Not the documented fast path (per-head slabs are contiguous), but must not be silently wrong.
+    fp = fingerprint(num_layers=2, num_kv_heads=2, head_dim=16)
+    layers = kv_like(fp, 10)
+    transposed = [(k.transpose(1, 2).contiguous().transpose(1, 2), v) for k, v in layers]
+    assert not transposed[0][0][0].is_contiguous()
+    data = encode(fp, list(range(10)), transposed)
+    targets = [(torch.empty(2, 16, 10).transpose(1, 2), torch.empty(2, 10, 16)) for _ in range(2)]
+    read_snapshot(io.BytesIO(data), expected=fp, expected_ids=None, targets=targets)
+    assert_bit_equal(targets, layers)
+
+
+def test_shuffled_body_compresses_better_than_plain_zstd() -> None:
+    import zstandard
+
+    fp = fingerprint("bfloat16", num_layers=4)
+    layers = kv_like(fp, 256)
+    data = encode(fp, list(range(256)), layers)
+    plain = sum(
+        len(zstandard.ZstdCompressor(level=1).compress(t.view(torch.uint8).numpy()))
+        for p in layers
+        for t in p
+    )
+    raw = sum(t.numel() * 2 for p in layers for t in p)
+    assert len(data) < plain < raw
+
+
+def test_lossy_bf16_mode_error_and_size() -> None:
+    fp = fingerprint("float32", num_layers=6)
+    num_tokens = 200
+    layers = kv_like(fp, num_tokens, seed=5)
+    layers[0][0].view(-1)[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    ids = list(range(num_tokens))
+    lossless = encode(fp, ids, layers)
+    lossy = encode(fp, ids, layers, stored_dtype="bfloat16")
+    info = read_info(io.BytesIO(lossy))
+    assert (
+        info.stored_dtype == "bfloat16" and not info.lossless and info.raw_bytes == 6 * 2 * 3 * 200 * 64 * 4
+    )
+    assert len(lossy) < 0.6 * len(lossless)
+    got = decode(lossy, fp, ids, num_tokens)
+    max_abs, max_rel = 0.0, 0.0
+    for (gk, gv), (wk, wv) in zip(got, layers, strict=True):
+        for g, w in ((gk, wk), (gv, wv)):
+            assert g.dtype == torch.float32
+            # Exactly torch's round-to-nearest-even bf16, widened back (NaN bits included).
+            rounded = w.to(torch.bfloat16).to(torch.float32)
+            assert torch.equal(g.view(torch.int32), rounded.view(torch.int32))
+            finite = torch.isfinite(w) & (w != 0)
+            err = (g - w)[finite].abs()
+            max_abs = max(max_abs, err.max().item())
+            max_rel = max(max_rel, (err / w[finite].abs()).max().item())
+    assert torch.isinf(got[0][0].view(-1)[:2]).all() and torch.isnan(got[0][0].view(-1)[2])
+    print(f"bf16 lossy: max abs error {max_abs:.3g}, max rel error {max_rel:.3g} (bound {2**-8:.3g})")
+    assert 0 < max_rel <= 2**-8
+    assert max_abs < 0.1
+
+
+# ---------------------------------------------------------------- bad files
+
+SMALL = fingerprint("float32", num_layers=3, num_kv_heads=2, head_dim=16)
+SMALL_IDS = [11, 22, 33, 44, 55]
+
+
+@pytest.fixture(scope="module")
+def good() -> bytes:
+    return encode(SMALL, SMALL_IDS, with_special_values(kv_like(SMALL, 5)))
+
+
+def header_len(data: bytes) -> int:
+    (payload_len,) = struct.unpack_from("<I", data, 10)
+    return PREFIX_BYTES + payload_len + 4
+
+
+def reject(
+    data: bytes, expected: ModelFingerprint = SMALL, ids: list[int] | None = SMALL_IDS
+) -> SnapshotError:
+    targets = allocate_targets(expected, 5)
+    with pytest.raises(SnapshotError) as excinfo:
+        read_snapshot(io.BytesIO(data), expected=expected, expected_ids=ids, targets=targets)
+    return excinfo.value
+
+
+def test_good_fixture_reads(good: bytes) -> None:
+    assert_bit_equal(decode(good, SMALL, SMALL_IDS, 5), with_special_values(kv_like(SMALL, 5)))
+
+
+def test_truncation_anywhere_is_truncated(good: bytes) -> None:
+    head = header_len(good)
+    cuts = [0, 1, 8, PREFIX_BYTES - 1, PREFIX_BYTES, head - 5, head - 1, head, head + 3, len(good) // 2]
+    cuts += [len(good) - 5, len(good) - 4, len(good) - 1]
+    for cut in cuts:
+        err = reject(good[:cut])
+        assert isinstance(err, SnapshotTruncated), (cut, err)
+    with pytest.raises(SnapshotTruncated):
+        read_info(io.BytesIO(good[: head - 1]))
+
+
+def test_every_flipped_header_byte_is_corrupt(good: bytes) -> None:
+    for offset in range(header_len(good)):
+        bad = bytearray(good)
+        bad[offset] ^= 0x10
+        err = reject(bytes(bad))
+        assert isinstance(err, SnapshotCorrupt), (offset, err)
+
+
+def test_every_flipped_body_byte_is_corrupt(good: bytes) -> None:
+    head = header_len(good)
+    for offset in range(head, len(good)):
+        bad = bytearray(good)
+        bad[offset] ^= 1 << (offset % 8)  # every bit position occurs across the body
+        err = reject(bytes(bad))
+        assert isinstance(err, SnapshotCorrupt), (offset, err)
+
+
+def test_flip_that_zstd_itself_ignores_is_caught(good: bytes) -> None:
+    # Bit 4 of a zstd frame header descriptor is "unused": decoders must ignore it, so only the
+    # snapshot's own body checksum can see this flip.
+    import zstandard
+
+    bad = bytearray(good)
+    first_frame = header_len(good)
+    assert bytes(bad[first_frame : first_frame + 4]) == zstandard.FRAME_HEADER
+    bad[first_frame + 4] ^= 0x10
+    err = reject(bytes(bad))
+    assert isinstance(err, SnapshotCorrupt) and "body checksum" in str(err)
+
+
+def test_flipped_frame_payload_byte_is_corrupt(good: bytes) -> None:
+    bad = bytearray(good)
+    bad[header_len(good) + 40] ^= 0x80  # inside the first frame's compressed data
+    assert isinstance(reject(bytes(bad)), SnapshotCorrupt)
+    bad = bytearray(good)
+    bad[-6] ^= 0x80  # inside the last frame's content checksum (the body checksum follows it)
+    assert "doesn't match checksum" in str(reject(bytes(bad)))
+    bad = bytearray(good)
+    bad[-1] ^= 0x80  # inside the body checksum itself
+    assert "body checksum mismatch" in str(reject(bytes(bad)))
+
+
+@pytest.mark.parametrize("extra", [b"\x00", b"garbage", None])
+def test_trailing_bytes_are_corrupt(good: bytes, extra: bytes | None) -> None:
+    import zstandard
+
+    tail = zstandard.ZstdCompressor(write_checksum=True).compress(b"") if extra is None else extra
+    err = reject(good + tail)
+    assert isinstance(err, SnapshotCorrupt) and "trailing" in str(err)
+
+
+def rewrite_header(data: bytes, edit: Callable[[bytearray, bytearray], None]) -> bytes:
+    """Apply ``edit(prefix, payload)`` and recompute both checksums, as a future writer would."""
+    head = header_len(data)
+    prefix, payload = bytearray(data[:14]), bytearray(data[PREFIX_BYTES : head - 4])
+    edit(prefix, payload)
+    struct.pack_into("<I", prefix, 10, len(payload))
+    start = bytes(prefix) + struct.pack("<I", zlib.crc32(bytes(prefix))) + bytes(payload)
+    return start + struct.pack("<I", zlib.crc32(start)) + data[head:]
+
+
+def test_unknown_version_is_rejected(good: bytes) -> None:
+    for version in (0, 2, 0xFFFF):
+        bad = rewrite_header(good, lambda prefix, _, v=version: struct.pack_into("<H", prefix, 8, v))
+        err = reject(bad)
+        assert isinstance(err, SnapshotVersionError) and str(version) in str(err)
+        with pytest.raises(SnapshotVersionError):
+            read_info(io.BytesIO(bad))
+
+
+def test_checksummed_but_inconsistent_header_is_corrupt(good: bytes) -> None:
+    def unknown_dtype(_: bytearray, payload: bytearray) -> None:
+        payload[2 + len(SMALL.model_id) + 2 + len(SMALL.weights_hash)] = 99
+
+    def extra_payload(_: bytearray, payload: bytearray) -> None:
+        payload.extend(b"\x00\x00")
+
+    for edit in (unknown_dtype, extra_payload):
+        assert isinstance(reject(rewrite_header(good, edit)), SnapshotCorrupt)
+
+
+def test_bad_magic_is_corrupt(good: bytes) -> None:
+    assert isinstance(reject(b"PK\x03\x04" + good[4:]), SnapshotCorrupt)
+    assert isinstance(reject(b"hello"), SnapshotCorrupt)  # short junk is not "truncated"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("model_id", "other-model"),
+        ("weights_hash", "cd34" * 16),
+        ("dtype", "bfloat16"),
+        ("num_layers", 4),
+        ("num_kv_heads", 3),
+        ("head_dim", 32),
+    ],
+)
+def test_other_model_is_rejected_naming_the_field(good: bytes, field: str, value: object) -> None:
+    other = dataclasses.replace(SMALL, **{field: value})
+    assert other.digest() != SMALL.digest()
+    targets = allocate_targets(other, 5)
+    with pytest.raises(SnapshotModelMismatch, match=field):
+        read_snapshot(io.BytesIO(good), expected=other, expected_ids=SMALL_IDS, targets=targets)
+
+
+def test_model_and_ids_are_checked_before_the_body(good: bytes) -> None:
+    # A broken body must not matter: the mismatch is reported from the header alone.
+    broken = good[: header_len(good)] + b"\xff" * 10
+    other = dataclasses.replace(SMALL, weights_hash="00")
+    with pytest.raises(SnapshotModelMismatch):
+        read_snapshot(
+            io.BytesIO(broken), expected=other, expected_ids=None, targets=allocate_targets(other, 5)
+        )
+    targets = allocate_targets(SMALL, 5)
+    sentinel = [t.clone() for pair in targets for t in pair]
+    with pytest.raises(SnapshotIdsMismatch):
+        read_snapshot(io.BytesIO(broken), expected=SMALL, expected_ids=[11, 22, 0, 44, 55], targets=targets)
+    after = [t for pair in targets for t in pair]
+    assert all(
+        torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(sentinel, after, strict=True)
+    )
+
+
+@pytest.mark.parametrize("ids", [[11, 22, 33, 44, 56], [11, 22, 33, 44], [11, 22, 33, 44, 55, 66], []])
+def test_ids_mismatch(good: bytes, ids: list[int]) -> None:
+    err = reject(good, ids=ids)
+    assert isinstance(err, SnapshotIdsMismatch)
+
+
+def test_ids_none_skips_the_id_check(good: bytes) -> None:
+    targets = allocate_targets(SMALL, 5)
+    info = read_snapshot(io.BytesIO(good), expected=SMALL, expected_ids=None, targets=targets)
+    assert info.token_ids == tuple(SMALL_IDS)
+
+
+def test_digest_is_stable() -> None:
+    fp = ModelFingerprint("m", "h", "float32", 1, 2, 3)
+    assert fp.digest() == ModelFingerprint("m", "h", "float32", 1, 2, 3).digest()
+    assert len(fp.digest()) == 64 and int(fp.digest(), 16) >= 0
+    assert fp.digest() != dataclasses.replace(fp, head_dim=4).digest()
+
+
+# ---------------------------------------------------------------- caller bugs
+
+
+def test_wrong_targets_are_value_errors(good: bytes) -> None:
+    cases: list[KVPairs] = [
+        allocate_targets(SMALL, 5)[:2],  # too few layers
+        allocate_targets(SMALL, 4),  # seq differs from the snapshot's token count
+        allocate_targets(dataclasses.replace(SMALL, head_dim=8), 5),
+        allocate_targets(dataclasses.replace(SMALL, dtype="bfloat16"), 5),
+        [(k.unsqueeze(0), v) for k, v in allocate_targets(SMALL, 5)],
+    ]
+    for targets in cases:
+        with pytest.raises(ValueError):
+            read_snapshot(io.BytesIO(good), expected=SMALL, expected_ids=None, targets=targets)
+
+
+def test_bad_writer_arguments_are_value_errors_before_any_write() -> None:
+    fp = fingerprint(num_layers=2, num_kv_heads=2, head_dim=8)
+    layers = kv_like(fp, 3)
+    bad_calls: list[Callable[[io.BytesIO], object]] = [
+        lambda out: write_snapshot(out, fp, [1, 2], layers),  # ids vs seq
+        lambda out: write_snapshot(out, fp, [1, 2, 3], layers[:1]),
+        lambda out: write_snapshot(out, fp, [1, 2, -3], layers),
+        lambda out: write_snapshot(out, fp, [1, 2, 3], [(k.to(torch.float16), v) for k, v in layers]),
+        lambda out: write_snapshot(out, fp, [1, 2, 3], layers, stored_dtype="float16"),
+        lambda out: write_snapshot(out, fingerprint("bfloat16", 2, 2, 8), [1, 2, 3], layers),
+        lambda out: write_snapshot(out, fp, [1, 2, 3], layers, level=99),
+        lambda out: write_snapshot(out, dataclasses.replace(fp, dtype="int8"), [1, 2, 3], layers),
+    ]
+    for call in bad_calls:
+        out = io.BytesIO()
+        with pytest.raises(ValueError):
+            call(out)
+        assert out.getvalue() == b""
