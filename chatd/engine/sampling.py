@@ -1,0 +1,71 @@
+"""Sampling parameters and next-token selection. Pure torch, no model."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from chatd.config import GenerationSettings
+from chatd.protocol import GenerationParams
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Fully resolved parameters of one generation."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def resolve(cls, params: GenerationParams | None, defaults: GenerationSettings) -> SamplingParams:
+        """Request overrides on top of the server's defaults; a missing seed gets a random one."""
+        p = params or GenerationParams()
+        return cls(
+            max_tokens=p.max_tokens if p.max_tokens is not None else defaults.max_tokens,
+            temperature=p.temperature if p.temperature is not None else defaults.temperature,
+            top_p=p.top_p if p.top_p is not None else defaults.top_p,
+            top_k=p.top_k if p.top_k is not None else defaults.top_k,
+            seed=p.seed if p.seed is not None else secrets.randbits(63),
+            stop=tuple(p.stop),
+        )
+
+
+def make_generator(params: SamplingParams) -> torch.Generator:
+    """A CPU generator seeded from the params, so a seeded request is reproducible."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(params.seed)
+    return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token id from ``logits`` ``[vocab]`` (any float dtype, any device).
+
+    Greedy when temperature is 0 (ties go to the lowest id, as torch.argmax does). Otherwise
+    temperature scaling, then top-k, then top-p (nucleus, keeping at least one token), then a draw
+    from ``generator``.
+    """
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    scores = logits.float().cpu() / params.temperature  # [vocab] fp32
+    if 0 < params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the first token always stays.
+        drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,346 @@
+"""The engine worker: the one thread that owns the model and every KV tensor.
+
+The event loop hands it work through a queue and gets results back through
+``loop.call_soon_threadsafe``; nothing here blocks the loop. Work is of two kinds:
+
+* generations (:meth:`EngineWorker.generate`): each is a prefill of the tokens the cache lacks,
+  then decoding until EOS, ``max_tokens``, a stop string or cancellation. Long prefills run in
+  chunks; all sessions that are decoding advance together in one batched forward pass; prefill
+  chunks and decode steps alternate, so a long prompt never freezes the other sessions' streams;
+* calls (:meth:`EngineWorker.call`): any function that touches tensors (crop, reserve, export
+  for a snapshot, restore), run between steps so it never races a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from chatd.chat.stream import IncrementalDetokenizer, StopMatcher
+from chatd.engine.kvcache import SessionKV
+from chatd.engine.runner import ModelRunner
+from chatd.engine.sampling import SamplingParams, make_generator, sample
+from chatd.errors import Internal
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """How a generation ended. ``generated_ids`` are all sampled ids (an EOS included). The cache
+    holds the first ``cache_length`` ids of ``prompt + generated_ids``: the last sampled id is never
+    fed, and a generation cancelled during prefill leaves only part of the prompt."""
+
+    generated_ids: tuple[int, ...]
+    content_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    cache_length: int
+    stopped_by_string: bool
+    started_at: float
+    first_token_at: float | None
+    finished_at: float
+    prefill_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        if self.first_token_at is None or len(self.generated_ids) < 2:
+            return 0.0
+        elapsed = self.finished_at - self.first_token_at
+        return (len(self.generated_ids) - 1) / elapsed if elapsed > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationFailed:
+    error: BaseException
+
+
+Event = TextPiece | GenerationResult | GenerationFailed
+
+
+@dataclass(eq=False)
+class _Job:
+    cache: SessionKV
+    prefill_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    emit: Callable[[Event], None]
+    detok: IncrementalDetokenizer
+    stopper: StopMatcher
+    started_at: float
+    generator: torch.Generator | None = None
+    cancelled: bool = False
+    prefill_pos: int = 0
+    pending: int | None = None  # sampled, not yet fed
+    generated: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    first_token_at: float | None = None
+    prefill_done_at: float | None = None
+
+
+@dataclass
+class GenerationHandle:
+    """A running generation. Iterate :meth:`events`; :meth:`cancel` is safe at any time."""
+
+    _job: _Job
+    _events: asyncio.Queue[Event]
+    _wake: Callable[[], None]
+
+    def cancel(self) -> None:
+        self._job.cancelled = True
+        self._wake()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Text pieces, then exactly one GenerationResult or GenerationFailed."""
+        while True:
+            event = await self._events.get()
+            yield event
+            if not isinstance(event, TextPiece):
+                return
+
+
+class _Call:
+    def __init__(self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]) -> None:
+        self.fn = fn
+        self.done = done
+
+
+_STOP = object()
+
+
+class EngineWorker:
+    """Owns the device. Start once, submit from the event loop, stop at shutdown."""
+
+    def __init__(self, runner: ModelRunner, *, prefill_chunk_tokens: int = 256, max_batch_size: int = 16) -> None:
+        self.runner = runner
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_batch_size = max_batch_size
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._prefilling: deque[_Job] = deque()
+        self._decoding: deque[_Job] = deque()
+        self._prefill_turn = False
+        self.steps = itertools.count()
+        # Counters read by metrics (written only by the worker thread).
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.num_decode_steps = 0
+
+    # ------------------------------------------------------------------ lifecycle (event loop side)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="chatd-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel running generations and join the thread."""
+        if self._thread is None:
+            return
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def num_active(self) -> int:
+        return len(self._prefilling) + len(self._decoding)
+
+    def _wake(self) -> None:
+        self._inbox.put(None)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the worker thread between steps; return its result or raise its error."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            def settle() -> None:
+                if future.done():
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+            loop.call_soon_threadsafe(settle)
+
+        self._inbox.put(_Call(fn, done))
+        # Shield: once queued the call runs anyway; a cancelled caller must not lose track of it.
+        return await asyncio.shield(future)
+
+    def generate(self, cache: SessionKV, prefill_ids: Sequence[int], params: SamplingParams,
+                 *, max_new_tokens: int | None = None, started_at: float | None = None) -> GenerationHandle:
+        """Start generating after appending ``prefill_ids`` (non-empty) to ``cache``.
+
+        The cache must not be used by anything else until the handle yields its final event.
+        """
+        if not prefill_ids:
+            raise ValueError("a generation needs at least one token to prefill")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(event: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job = _Job(
+            cache=cache, prefill_ids=list(prefill_ids), params=params,
+            max_new_tokens=max_new_tokens if max_new_tokens is not None else params.max_tokens,
+            eos_ids=self.runner.info.eos_token_ids, emit=emit,
+            detok=IncrementalDetokenizer(self.runner.tokenizer), stopper=StopMatcher(params.stop),
+            started_at=started_at if started_at is not None else time.monotonic(),
+            generator=None if params.greedy else make_generator(params),
+        )
+        self._inbox.put(job)
+        return GenerationHandle(job, events, self._wake)
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            busy = bool(self._prefilling or self._decoding)
+            try:
+                item = self._inbox.get(block=not busy)
+            except queue.Empty:
+                item = None
+            while True:
+                if item is _STOP:
+                    for job in [*self._prefilling, *self._decoding]:
+                        job.cancelled = True
+                    self._reap_cancelled()
+                    return
+                if isinstance(item, _Job):
+                    self._prefilling.append(item)
+                elif isinstance(item, _Call):
+                    self._run_call(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+            self._reap_cancelled()
+            self._step()
+
+    def _run_call(self, call: _Call) -> None:
+        try:
+            result = call.fn()
+        except BaseException as exc:
+            call.done(None, exc)
+        else:
+            call.done(result, None)
+
+    def _reap_cancelled(self) -> None:
+        for jobs in (self._prefilling, self._decoding):
+            for job in [j for j in jobs if j.cancelled]:
+                jobs.remove(job)
+                self._finish(job, "cancelled")
+
+    def _step(self) -> None:
+        # Alternate prefill chunks and decode steps when both kinds of work are waiting.
+        do_prefill = bool(self._prefilling) and (self._prefill_turn or not self._decoding)
+        self._prefill_turn = not self._prefill_turn
+        if do_prefill:
+            self._prefill_chunk(self._prefilling[0])
+        elif self._decoding:
+            self._decode_step()
+
+    def _prefill_chunk(self, job: _Job) -> None:
+        start = job.prefill_pos
+        chunk = job.prefill_ids[start : start + self.prefill_chunk_tokens]
+        try:
+            logits = self.runner.prefill(job.cache, chunk)
+        except Exception as exc:
+            self._prefilling.remove(job)
+            self._fail(job, exc)
+            return
+        self.num_prefill_tokens += len(chunk)
+        job.prefill_pos += len(chunk)
+        if job.prefill_pos < len(job.prefill_ids):
+            # Round robin among prefilling jobs, chunk by chunk.
+            self._prefilling.rotate(-1)
+            return
+        self._prefilling.remove(job)
+        job.prefill_done_at = time.monotonic()
+        if self._accept(job, sample(logits, job.params, job.generator)):
+            self._decoding.append(job)
+
+    def _decode_step(self) -> None:
+        batch = list(itertools.islice(self._decoding, self.max_batch_size))
+        if len(self._decoding) > len(batch):
+            self._decoding.rotate(-len(batch))
+        tokens = [job.pending for job in batch]
+        assert all(t is not None for t in tokens)
+        try:
+            logits = self.runner.decode([job.cache for job in batch], tokens)  # type: ignore[misc]
+        except Exception as exc:
+            for job in batch:
+                self._decoding.remove(job)
+                self._fail(job, exc)
+            return
+        self.num_decode_steps += 1
+        self.num_decode_tokens += len(batch)
+        for row, job in enumerate(batch):
+            job.pending = None
+            if not self._accept(job, sample(logits[row], job.params, job.generator)):
+                self._decoding.remove(job)
+
+    def _accept(self, job: _Job, token_id: int) -> bool:
+        """Record a sampled token; return False when the job finished."""
+        now = time.monotonic()
+        if job.first_token_at is None:
+            job.first_token_at = now
+        job.generated.append(token_id)
+        if token_id in job.eos_ids:
+            self._finish(job, "stop")
+            return False
+        piece = job.stopper.feed(job.detok.push(token_id))
+        if piece:
+            job.text.append(piece)
+            job.emit(TextPiece(piece))
+        if job.stopper.stopped:
+            self._finish(job, "stop", by_string=True)
+            return False
+        if job.cancelled:
+            self._finish(job, "cancelled")
+            return False
+        if len(job.generated) >= job.max_new_tokens:
+            self._finish(job, "length")
+            return False
+        job.pending = token_id
+        return True
+
+    def _finish(self, job: _Job, reason: FinishReason, *, by_string: bool = False) -> None:
+        if not by_string:
+            tail = job.stopper.feed(job.detok.flush()) + job.stopper.flush()
+            if tail:
+                job.text.append(tail)
+                job.emit(TextPiece(tail))
+        content = [t for t in job.generated if t not in job.eos_ids]
+        now = time.monotonic()
+        job.emit(GenerationResult(
+            generated_ids=tuple(job.generated), content_ids=tuple(content), text="".join(job.text),
+            finish_reason=reason, cache_length=job.cache.length, stopped_by_string=by_string,
+            started_at=job.started_at, first_token_at=job.first_token_at, finished_at=now,
+            prefill_s=(job.prefill_done_at or now) - job.started_at,
+        ))
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        log.exception("generation failed", exc_info=exc)
+        job.emit(GenerationFailed(Internal("generation failed")))

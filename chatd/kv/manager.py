@@ -1,0 +1,448 @@
+"""Resident KV caches per session under a byte budget, and the reconcile step.
+
+The manager lives on the event loop. It decides (which prefix to reuse, which sessions to evict,
+restore or recompute) and has the engine worker carry out every tensor operation through
+``worker.call``; snapshot encoding and file I/O run in the persistence layer's I/O thread on
+tensors that no forward pass can touch at that moment (guarded by ``_Entry.io``).
+
+Invariants:
+* ``cached_ids`` of an entry are exactly the ids whose K/V its cache holds (len == cache.length);
+* the allocated bytes of all resident caches never exceed ``device_budget_mb``;
+* a busy entry (leased to a generation, or in snapshot I/O) is never evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from chatd.config import CacheSettings
+from chatd.engine.kvcache import SessionKV
+from chatd.engine.runner import ModelInfo
+from chatd.engine.worker import EngineWorker
+from chatd.errors import ContextLengthExceeded, SnapshotError
+from chatd.kv import policy
+from chatd.protocol import Tier
+
+if TYPE_CHECKING:
+    from chatd.kv.persistence import SnapshotService
+
+log = logging.getLogger(__name__)
+
+# After a turn, spare capacity beyond this many tokens is given back to the budget.
+SPARE_TOKENS = 64
+ROOM_WAIT_S = 120.0
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int]) -> int:
+    """How many cached positions a prompt can reuse: the longest common prefix, but always leaving at
+    least one prompt token to prefill (its logits start the reply)."""
+    return min(common_prefix_len(cached_ids, prompt_ids), max(len(prompt_ids) - 1, 0))
+
+
+@dataclass
+class _Entry:
+    session_id: str
+    cache: SessionKV
+    cached_ids: list[int]
+    last_used: float
+    busy: bool = False
+    persisted: bool = False
+    io: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A session's cache, lent to one generation. Prefill ``prefill_ids`` then generate."""
+
+    session_id: str
+    cache: SessionKV
+    prompt_ids: tuple[int, ...]
+    num_cached: int
+    tier: Tier
+    restore_ms: float | None
+
+    @property
+    def prefill_ids(self) -> tuple[int, ...]:
+        return self.prompt_ids[self.num_cached:]
+
+
+@dataclass
+class KVStats:
+    evictions: int = 0
+    evictions_idle: int = 0
+    evictions_for_room: int = 0
+    snapshot_writes: int = 0
+    snapshot_write_failures: int = 0
+    restores: int = 0
+    restore_failures: int = 0
+    restore_seconds: list[float] = field(default_factory=list)
+
+
+class KVManager:
+    def __init__(self, worker: EngineWorker, info: ModelInfo, settings: CacheSettings,
+                 snapshots: SnapshotService | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 on_event: Callable[[str, float], None] | None = None) -> None:
+        self.worker = worker
+        self.info = info
+        self.settings = settings
+        self.snapshots = snapshots
+        self.clock = clock
+        self.budget_bytes = int(settings.device_budget_mb * 1024 * 1024)
+        self.bytes_per_token = info.bytes_per_token
+        self.stats = KVStats()
+        self._on_event = on_event or (lambda name, value: None)
+        self._entries: dict[str, _Entry] = {}
+        self._room = asyncio.Condition()
+        self._background: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Future[object]] = set()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(e.cache.num_bytes for e in self._entries.values())
+
+    def resident_ids(self) -> list[str]:
+        return list(self._entries)
+
+    def is_resident(self, session_id: str) -> bool:
+        return session_id in self._entries
+
+    def kv_bytes(self, session_id: str) -> int:
+        entry = self._entries.get(session_id)
+        return entry.cache.num_bytes if entry else 0
+
+    def cached_ids(self, session_id: str) -> list[int] | None:
+        entry = self._entries.get(session_id)
+        return list(entry.cached_ids) if entry else None
+
+    def max_tokens_for_budget(self) -> int:
+        return self.budget_bytes // self.bytes_per_token
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise ContextLengthExceeded when one turn of ``num_tokens`` could never fit the budget."""
+        if num_tokens * self.bytes_per_token > self.budget_bytes:
+            raise ContextLengthExceeded(
+                f"this turn needs room for {num_tokens} tokens of KV cache but the server's cache budget "
+                f"holds {self.max_tokens_for_budget()}")
+
+    def _records(self) -> list[policy.CacheRecord]:
+        return [policy.CacheRecord(e.session_id, e.cache.num_bytes, e.last_used,
+                                   busy=e.busy or e.io is not None, persisted=e.persisted)
+                for e in self._entries.values()]
+
+    # ------------------------------------------------------------------ lease / release
+
+    async def acquire(self, session_id: str, prompt_ids: Sequence[int], max_new_tokens: int) -> Lease:
+        """Lend the session's cache to a generation of ``prompt_ids`` + up to ``max_new_tokens``.
+
+        Reuses the longest valid prefix of the resident cache; when the session is not resident,
+        restores its snapshot (when worth it) or starts empty. Makes room by evicting idle sessions,
+        least recently used first, waiting for running generations when only they hold the budget.
+        The caller must call :meth:`release` (also on error or cancellation).
+        """
+        prompt = tuple(prompt_ids)
+        capacity = len(prompt) + max_new_tokens
+        self.check_fits(capacity)
+        async with self._room:
+            # Snapshot I/O reads the buffers below `length`; never change them under it.
+            while (entry := self._entries.get(session_id)) is not None and entry.io is not None:
+                await asyncio.shield(entry.io)
+            if entry is not None:
+                entry.busy = True
+                try:
+                    reuse = reusable_prefix(entry.cached_ids, prompt)
+                    await self._make_room(capacity * self.bytes_per_token - entry.cache.num_bytes,
+                                          protect={session_id})
+                    cache = entry.cache
+                    await self.worker.call(lambda: (cache.truncate(reuse), cache.reserve(capacity)))
+                except BaseException:
+                    entry.busy = False
+                    raise
+                del entry.cached_ids[reuse:]
+                return Lease(session_id, cache, prompt, reuse, "device" if reuse else "none", None)
+            return await self._acquire_cold(session_id, prompt, capacity)
+
+    async def _acquire_cold(self, session_id: str, prompt: tuple[int, ...], capacity: int) -> Lease:
+        restored = await self._try_restore(session_id, prompt, capacity,
+                                           reuse_limit=max(len(prompt) - 1, 0))
+        if restored is not None:
+            return restored
+        await self._make_room(capacity * self.bytes_per_token, protect=())
+        cache = await self.worker.call(lambda: _new_reserved(self.worker, capacity))
+        self._entries[session_id] = _Entry(session_id, cache, [], self.clock(), busy=True)
+        return Lease(session_id, cache, prompt, 0, "none", None)
+
+    def release(self, lease: Lease, *, generated_ids: Sequence[int] = (), ok: bool = True) -> None:
+        """Return a lease. With ``ok`` the cache holds ``prompt + generated_ids`` up to its length;
+        otherwise (a failed forward pass) its contents are unknown and it is dropped."""
+        entry = self._entries.get(lease.session_id)
+        if entry is None or entry.cache is not lease.cache:
+            return
+        if not ok:
+            self._forget(entry)
+        else:
+            ids = [*lease.prompt_ids, *generated_ids][: lease.cache.length]
+            entry.cached_ids = ids
+            entry.busy = False
+            entry.persisted = False
+            entry.last_used = self.clock()
+            cache = lease.cache
+            if cache.capacity - cache.length > SPARE_TOKENS:
+                self._spawn(self.worker.call(lambda: cache.reserve(cache.length + SPARE_TOKENS)))
+        self._spawn(self._notify_room())
+
+    async def _notify_room(self) -> None:
+        async with self._room:
+            self._room.notify_all()
+
+    # ------------------------------------------------------------------ room
+
+    async def _make_room(self, need_bytes: int, *, protect: set[str] | tuple[()]) -> None:
+        """Evict until ``need_bytes`` more fit. Called with ``self._room`` held."""
+        deadline = self.clock() + ROOM_WAIT_S
+        while True:
+            victims = policy.choose_victims(self._records(), need_bytes=need_bytes, used_bytes=self.resident_bytes,
+                                            budget_bytes=self.budget_bytes, protect=protect)
+            if victims == []:
+                return
+            if victims is None:
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    raise ContextLengthExceeded("the KV cache budget is held by running generations; try again")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), timeout=min(remaining, 5.0))
+                continue
+            for session_id in victims:
+                await self._evict_now(session_id, reason="room")
+
+    async def _evict_now(self, session_id: str, *, reason: str) -> bool:
+        entry = self._entries.get(session_id)
+        if entry is None or entry.busy or entry.io is not None:
+            return False
+        if not entry.persisted and self.snapshots is not None and entry.cached_ids:
+            ok = await self._run_io(entry, self._persist(entry))
+            if not ok and reason == "idle":
+                return False  # keep it resident; the next attempt may succeed
+        self._forget(entry)
+        self.stats.evictions += 1
+        if reason == "idle":
+            self.stats.evictions_idle += 1
+        elif reason == "room":
+            self.stats.evictions_for_room += 1
+        self._on_event("eviction", 1.0)
+        return True
+
+    def _forget(self, entry: _Entry) -> None:
+        if self._entries.get(entry.session_id) is entry:
+            del self._entries[entry.session_id]
+        cache = entry.cache
+        self._spawn(self.worker.call(cache.free))
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def _wait_io(self, session_id: str) -> None:
+        while (entry := self._entries.get(session_id)) is not None and entry.io is not None:
+            await asyncio.shield(entry.io)
+
+    async def _run_io(self, entry: _Entry, work: Awaitable[bool]) -> bool:
+        async def runner() -> None:
+            nonlocal ok
+            ok = await work
+
+        ok = False
+        entry.io = asyncio.ensure_future(runner())
+        try:
+            await asyncio.shield(entry.io)
+        finally:
+            entry.io = None
+        return ok
+
+    async def _persist(self, entry: _Entry) -> bool:
+        assert self.snapshots is not None
+        ids = list(entry.cached_ids)
+        cache = entry.cache
+        layers = await self.worker.call(lambda: export_layers(cache))
+        try:
+            await self.snapshots.save(entry.session_id, ids, layers)
+        except (OSError, SnapshotError) as exc:
+            self.stats.snapshot_write_failures += 1
+            log.warning("snapshot of session %s failed, it stays in memory: %s", entry.session_id[:8], exc)
+            return False
+        self.stats.snapshot_writes += 1
+        entry.persisted = entry.cached_ids == ids
+        return True
+
+    async def _try_restore(self, session_id: str, prompt: tuple[int, ...], capacity: int, *,
+                           reuse_limit: int) -> Lease | None:
+        """Restore the snapshot's longest prefix shared with ``prompt`` (at most ``reuse_limit``
+        positions). None when there is no usable snapshot or recomputing is estimated cheaper."""
+        if self.snapshots is None:
+            return None
+        record = await self.snapshots.record(session_id)
+        if record is None:
+            return None
+        if not policy.prefer_restore(num_tokens=record.num_tokens, file_bytes=record.file_bytes,
+                                     cost=self.snapshots.cost, min_tokens=self.settings.restore_min_tokens):
+            return None
+        started = self.clock()
+        try:
+            snapshot_ids = await self.snapshots.read_ids(session_id)
+        except (OSError, SnapshotError) as exc:
+            log.warning("snapshot of session %s unusable, recomputing: %s", session_id[:8], exc)
+            self.stats.restore_failures += 1
+            await self.snapshots.delete(session_id)
+            return None
+        reuse = min(common_prefix_len(snapshot_ids, prompt), reuse_limit)
+        if reuse < max(self.settings.restore_min_tokens, 1):
+            return None
+        need = max(capacity, len(snapshot_ids))
+        await self._make_room(need * self.bytes_per_token, protect=())
+        cache = await self.worker.call(lambda: _new_reserved(self.worker, need))
+        entry = _Entry(session_id, cache, [], self.clock(), busy=True)
+        self._entries[session_id] = entry
+        try:
+            await self.snapshots.load_into(session_id, snapshot_ids, cache, self.worker)
+        except (OSError, SnapshotError) as exc:
+            log.warning("restore of session %s failed, recomputing: %s", session_id[:8], exc)
+            self.stats.restore_failures += 1
+            await self.snapshots.delete(session_id)
+            entry.cached_ids = []
+            await self.worker.call(lambda: cache.truncate(0))
+            return Lease(session_id, cache, prompt, 0, "none", None)
+        await self.worker.call(lambda: cache.truncate(reuse))
+        entry.cached_ids = list(snapshot_ids[:reuse])
+        elapsed = self.clock() - started
+        self.stats.restores += 1
+        self.stats.restore_seconds.append(elapsed)
+        self._on_event("restore", elapsed)
+        return Lease(session_id, cache, prompt, reuse, "disk", round(elapsed * 1000, 2))
+
+    # ------------------------------------------------------------------ operator actions
+
+    async def evict(self, session_id: str) -> bool:
+        """Snapshot (when not on disk yet) and free the session's cache. False when it is not resident
+        or is generating."""
+        await self._wait_io(session_id)
+        async with self._room:
+            evicted = await self._evict_now(session_id, reason="admin")
+            self._room.notify_all()
+            return evicted
+
+    async def restore(self, session_id: str, conversation_ids: Sequence[int]) -> Tier:
+        """Bring a session's cache back ahead of its next turn (resume, admin restore)."""
+        if session_id in self._entries:
+            return "device"
+        prompt = tuple(conversation_ids)
+        if not prompt:
+            return "none"
+        async with self._room:
+            if session_id in self._entries:
+                return "device"
+            lease = await self._try_restore(session_id, prompt, len(prompt) + SPARE_TOKENS,
+                                            reuse_limit=len(prompt))
+            if lease is None:
+                return "none"
+        self.release(lease)
+        entry = self._entries.get(session_id)
+        if entry is not None:
+            # The snapshot starts with exactly these ids: evicting again needs no write.
+            entry.persisted = lease.num_cached > 0
+        return "device"
+
+    async def drop(self, session_id: str) -> None:
+        """Forget a session entirely (delete): cache freed and snapshot deleted."""
+        await self._wait_io(session_id)
+        entry = self._entries.get(session_id)
+        if entry is not None:
+            self._forget(entry)
+        if self.snapshots is not None:
+            await self.snapshots.delete(session_id)
+        await self._notify_room()
+
+    # ------------------------------------------------------------------ background
+
+    def start(self, interval_s: float = 2.0) -> None:
+        if self._background is None:
+            self._background = asyncio.ensure_future(self._background_loop(interval_s))
+
+    async def stop(self) -> None:
+        if self._background is not None:
+            self._background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._background
+            self._background = None
+        for entry in list(self._entries.values()):
+            if entry.io is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(entry.io)
+
+    async def persist_all(self) -> int:
+        """Snapshot every idle resident session not on disk yet (graceful shutdown). Returns how many."""
+        count = 0
+        for session_id in policy.persist_candidates(self._records(), now=float("inf"), idle_s=1.0):
+            entry = self._entries.get(session_id)
+            if entry is not None and not entry.busy and entry.io is None and entry.cached_ids:
+                count += await self._run_io(entry, self._persist(entry))
+        return count
+
+    async def tick(self) -> None:
+        """One round of background work: persist idle sessions, evict long-idle ones."""
+        if self.snapshots is None:
+            return
+        now = self.clock()
+        for session_id in policy.persist_candidates(self._records(), now=now, idle_s=self.settings.persist_idle_s):
+            entry = self._entries.get(session_id)
+            if entry is not None and not entry.busy and entry.io is None and entry.cached_ids:
+                await self._run_io(entry, self._persist(entry))
+        for session_id in policy.idle_victims(self._records(), now=now, idle_s=self.settings.idle_evict_s):
+            await self._wait_io(session_id)
+            async with self._room:
+                await self._evict_now(session_id, reason="idle")
+                self._room.notify_all()
+
+    async def _background_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("background cache maintenance failed")
+
+    def _spawn(self, awaitable: Awaitable[object]) -> None:
+        task = asyncio.ensure_future(awaitable)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _new_reserved(worker: EngineWorker, capacity: int) -> SessionKV:
+    cache = worker.runner.new_cache()
+    cache.reserve(capacity)
+    return cache
+
+
+def export_layers(cache: SessionKV) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``[kv_heads, length, head_dim]`` K/V for a snapshot, on the CPU. Worker thread only.
+
+    On the CPU these are views of the live buffers (no copy): the manager guarantees nothing writes
+    below ``length`` while the snapshot I/O runs. On an accelerator they are host copies."""
+    layers = cache.filled_layers()
+    if cache.device.type == "cpu":
+        return list(layers)
+    return [(k.to("cpu"), v.to("cpu")) for k, v in layers]

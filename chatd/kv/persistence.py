@@ -1,0 +1,204 @@
+"""Snapshots of session caches: codec + atomic files + database records, off the event loop.
+
+Encoding, compression and file I/O run on one dedicated I/O thread, so they neither block the event
+loop nor the engine worker (whose generations keep running while a snapshot is written). The tensors
+handed to :meth:`SnapshotService.save` must not change until it returns (the KV manager guarantees
+it); restore decodes straight into a cache that no generation can see yet.
+
+A file is written (atomically) before its record; a crash in between leaves a file whose header still
+describes it exactly, and the startup pass reconciles files and records. Token ids decide validity:
+the manager only reuses the prefix a snapshot shares with the session's stored ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import struct
+import time
+from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from chatd.config import CacheSettings
+from chatd.engine.kvcache import SessionKV
+from chatd.engine.runner import ModelInfo
+from chatd.engine.worker import EngineWorker
+from chatd.errors import SnapshotModelMismatch
+from chatd.kv import policy
+from chatd.kv.snapshot import ModelFingerprint, allocate_targets, read_info, read_snapshot, write_snapshot
+from chatd.kv.snapshot_store import SnapshotStore
+from chatd.store.repo import Repo, SnapshotRecord
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Starting estimates before anything was measured on this machine (updated as turns run).
+_INITIAL_PREFILL_TPS = {"cpu": 300.0, "cuda": 20_000.0}
+_INITIAL_RESTORE_BPS = 200e6
+
+
+def fingerprint_of(info: ModelInfo) -> ModelFingerprint:
+    return ModelFingerprint(model_id=info.name, weights_hash=info.weights_hash, dtype=info.dtype_name,
+                            num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim)
+
+
+def ids_digest(token_ids: Sequence[int]) -> str:
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()
+
+
+class SnapshotService:
+    def __init__(self, settings: CacheSettings, folder: Path, repo: Repo, info: ModelInfo) -> None:
+        self.settings = settings
+        self.store = SnapshotStore(folder)
+        self.repo = repo
+        self.info = info
+        self.fingerprint = fingerprint_of(info)
+        self.disk_budget_bytes = int(settings.disk_budget_mb * 1024 * 1024)
+        self.cost = policy.CostModel(
+            prefill_tokens_per_s=_INITIAL_PREFILL_TPS.get(info.device.type, 300.0),
+            restore_bytes_per_s=_INITIAL_RESTORE_BPS)
+        self._records: dict[str, SnapshotRecord] = {}
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatd-snapshot-io")
+        self.num_deleted_for_budget = 0
+        self.bytes_written = 0
+
+    async def _in_io(self, fn: object, *args: object) -> T:  # type: ignore[type-var]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._io, fn, *args)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ startup
+
+    async def startup(self, known_session_ids: Collection[str]) -> None:
+        """Reconcile files and records: orphan files (no session, or no record) and records without a
+        file go; files from another model go (they could never be restored)."""
+        known = set(known_session_ids)
+        records = {r.session_id: r for r in await self.repo.list_snapshots()}
+        files: dict[str, int] = await self._in_io(self.store.list)
+        for session_id in list(files):
+            if session_id not in known or session_id not in records:
+                await self._in_io(self.store.delete, session_id)
+                files.pop(session_id)
+        for session_id, record in records.items():
+            if session_id not in files or record.fingerprint != self.fingerprint.digest():
+                await self._in_io(self.store.delete, session_id)
+                await self.repo.delete_snapshot(session_id)
+                continue
+            self._records[session_id] = record
+        if self._records:
+            log.info("%d session snapshots on disk (%.1f MB)", len(self._records), self.disk_bytes / 1e6)
+
+    # ------------------------------------------------------------------ queries
+
+    async def record(self, session_id: str) -> SnapshotRecord | None:
+        return self._records.get(session_id)
+
+    def records(self) -> dict[str, SnapshotRecord]:
+        return dict(self._records)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(r.file_bytes for r in self._records.values())
+
+    # ------------------------------------------------------------------ save / load / delete
+
+    async def save(self, session_id: str, token_ids: Sequence[int],
+                   layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> SnapshotRecord:
+        """Write the session's snapshot (replacing any older one) and record it.
+
+        Raises OSError (disk full, I/O error) with the previous snapshot, if any, left intact."""
+        ids = list(token_ids)
+        stored = None if self.settings.snapshot_dtype == "native" else self.settings.snapshot_dtype
+
+        def write() -> int:
+            return self.store.write(session_id, lambda f: write_snapshot(
+                f, self.fingerprint, ids, layers, level=self.settings.zstd_level, stored_dtype=stored))
+
+        file_bytes: int = await self._in_io(write)
+        record = SnapshotRecord(
+            session_id=session_id, file_name=self.store.path_for(session_id).name, num_tokens=len(ids),
+            file_bytes=file_bytes, raw_bytes=len(ids) * self.info.bytes_per_token,
+            fingerprint=self.fingerprint.digest(), ids_digest=ids_digest(ids), created_at=datetime.now(UTC))
+        await self.repo.put_snapshot(record)
+        self._records[session_id] = record
+        self.bytes_written += file_bytes
+        await self._enforce_disk_budget(keep=session_id)
+        return record
+
+    async def read_ids(self, session_id: str) -> tuple[int, ...]:
+        """The token ids a session's snapshot holds (header only). Raises SnapshotError / OSError."""
+
+        def read() -> tuple[int, ...]:
+            with self.store.open(session_id) as f:
+                info = read_info(f)
+            if info.fingerprint != self.fingerprint:
+                raise SnapshotModelMismatch("the snapshot belongs to another model")
+            return info.token_ids
+
+        ids: tuple[int, ...] = await self._in_io(read)
+        return ids
+
+    async def load_into(self, session_id: str, token_ids: Sequence[int], cache: SessionKV,
+                        worker: EngineWorker) -> None:
+        """Decode the snapshot (whose ids must equal ``token_ids``) into ``cache``, which must not be in
+        use by any generation. Leaves ``cache.length == len(token_ids)``."""
+        ids = list(token_ids)
+        started = time.monotonic()
+        on_cpu = cache.device.type == "cpu"
+        if on_cpu:
+            # Straight into the cache's own buffers: no intermediate copy.
+            targets = await worker.call(lambda: cache.fill_targets(len(ids)))
+        else:
+            targets = allocate_targets(self.fingerprint, len(ids))
+
+        def read() -> int:
+            with self.store.open(session_id) as f:
+                read_snapshot(f, expected=self.fingerprint, expected_ids=ids, targets=targets)
+                return f.tell()
+
+        file_bytes: int = await self._in_io(read)
+        if on_cpu:
+            await worker.call(lambda: cache.set_length(len(ids)))
+        else:
+            def upload() -> None:
+                for (dst_k, dst_v), (src_k, src_v) in zip(cache.fill_targets(len(ids)), targets, strict=True):
+                    dst_k.copy_(src_k, non_blocking=True)
+                    dst_v.copy_(src_v, non_blocking=True)
+                cache.set_length(len(ids))
+            await worker.call(upload)
+        elapsed = time.monotonic() - started
+        self.cost = policy.CostModel(
+            prefill_tokens_per_s=self.cost.prefill_tokens_per_s,
+            restore_bytes_per_s=policy.update_rate(self.cost.restore_bytes_per_s, file_bytes / max(elapsed, 1e-6)))
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Feed a measured prefill throughput into the restore-vs-recompute estimate."""
+        if num_tokens >= 32 and seconds > 0:
+            self.cost = policy.CostModel(
+                prefill_tokens_per_s=policy.update_rate(self.cost.prefill_tokens_per_s, num_tokens / seconds),
+                restore_bytes_per_s=self.cost.restore_bytes_per_s)
+
+    async def delete(self, session_id: str) -> None:
+        self._records.pop(session_id, None)
+        await self._in_io(self.store.delete, session_id)
+        await self.repo.delete_snapshot(session_id)
+
+    async def _enforce_disk_budget(self, *, keep: str) -> None:
+        """Delete the oldest snapshots while the total exceeds the disk budget (those sessions will
+        recompute on resume). The one just written is kept even if alone it exceeds the budget."""
+        while self.disk_bytes > self.disk_budget_bytes:
+            oldest = min((r for r in self._records.values() if r.session_id != keep),
+                         key=lambda r: r.created_at, default=None)
+            if oldest is None:
+                return
+            log.info("disk budget: deleting snapshot of session %s", oldest.session_id[:8])
+            self.num_deleted_for_budget += 1
+            await self.delete(oldest.session_id)

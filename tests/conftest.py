@@ -1,0 +1,68 @@
+"""Shared fixtures: model runners (tiny random-init and the real packaged model) and a running core."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from chatd import config
+from chatd.config import ModelSettings, Settings
+from chatd.core import Chatd
+from chatd.engine.runner import ModelRunner
+from tests import support
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    return support.tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def real_dir() -> Path:
+    return support.packaged_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tiny_dir: Path) -> ModelRunner:
+    return ModelRunner.load(ModelSettings(source=str(tiny_dir), threads=1), tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def real_runner(real_dir: Path) -> ModelRunner:
+    return ModelRunner.load(ModelSettings(source=str(real_dir)), real_dir)
+
+
+@pytest.fixture(scope="session")
+def real_reference(real_dir: Path) -> torch.nn.Module:
+    """The real model loaded plainly by transformers (default attention), for from-scratch references."""
+    return AutoModelForCausalLM.from_pretrained(real_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def make_settings(tmp_path: Path) -> Callable[..., Settings]:
+    def make(model_dir: Path, **sections: dict[str, Any]) -> Settings:
+        overrides: dict[str, Any] = {"data_dir": str(tmp_path / "data")}
+        overrides["model"] = {"source": str(model_dir), **sections.pop("model", {})}
+        overrides["cache"] = {"persist_idle_s": 0, "idle_evict_s": 0, **sections.pop("cache", {})}
+        overrides.update(sections)
+        return config.load(env={}, overrides=overrides)
+    return make
+
+
+@pytest.fixture
+async def tiny_core(make_settings: Callable[..., Settings], tiny_dir: Path,
+                    tiny_runner: ModelRunner) -> AsyncIterator[Chatd]:
+    async with Chatd.open(make_settings(tiny_dir), runner=tiny_runner, background=False) as core:
+        yield core
+
+
+@pytest.fixture
+async def real_core(make_settings: Callable[..., Settings], real_dir: Path,
+                    real_runner: ModelRunner) -> AsyncIterator[Chatd]:
+    async with Chatd.open(make_settings(real_dir), runner=real_runner, background=False) as core:
+        yield core

@@ -1,0 +1,124 @@
+"""Engine pieces: sampling, the growable cache, batched decode, reconcile and eviction policy."""
+
+from __future__ import annotations
+
+import torch
+
+from chatd.config import GenerationSettings
+from chatd.engine.kvcache import SessionKV
+from chatd.engine.runner import ModelRunner
+from chatd.engine.sampling import SamplingParams, make_generator, sample
+from chatd.kv.manager import common_prefix_len, reusable_prefix
+from chatd.kv.policy import CacheRecord, CostModel, choose_victims, idle_victims, persist_candidates, prefer_restore
+from chatd.protocol import GenerationParams
+
+
+def test_sampling_rules() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    greedy = SamplingParams(max_tokens=1)
+    assert sample(logits, greedy, None) == 1
+    top1 = SamplingParams(max_tokens=1, temperature=1.0, top_k=1, seed=3)
+    assert all(sample(logits, top1, make_generator(top1)) == 1 for _ in range(5))
+    nucleus = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.01, seed=3)
+    assert sample(logits, nucleus, make_generator(nucleus)) == 1
+    wide = SamplingParams(max_tokens=1, temperature=1.0, top_k=2, seed=11)
+    gen = make_generator(wide)
+    draws = {sample(logits, wide, gen) for _ in range(200)}
+    assert draws == {1, 2}  # top-k 2 keeps exactly the two best tokens, both get drawn
+
+
+def test_params_resolve_overrides_defaults() -> None:
+    defaults = GenerationSettings(max_tokens=100, temperature=0.7, top_p=0.9, top_k=40)
+    p = SamplingParams.resolve(GenerationParams(temperature=0, stop=["x"]), defaults)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.stop) == (100, 0.0, 0.9, 40, ("x",))
+    assert p.greedy
+
+
+def test_growable_cache_reserve_truncate_and_bytes() -> None:
+    cache = SessionKV(2, 3, 4, torch.float32, torch.device("cpu"))
+    assert cache.num_bytes == 0
+    cache.reserve(10)
+    assert cache.capacity == 10 and cache.num_bytes == 10 * cache.bytes_per_token() == 10 * 2 * 2 * 3 * 4 * 4
+    k = torch.randn(1, 3, 6, 4)
+    for layer in cache.growable_layers:
+        layer.update(k, -k)
+    assert cache.length == 6
+    cache.truncate(2)
+    assert cache.length == 2
+    assert torch.equal(cache.growable_layers[0].keys, k[:, :, :2])
+    longer = torch.randn(1, 3, 9, 4)
+    cache.growable_layers[0].update(longer, longer)  # 2 + 9 > 10: the buffer grows, keeping its prefix
+    assert cache.growable_layers[0].capacity >= 11 and cache.growable_layers[0].length == 11
+    assert torch.equal(cache.growable_layers[0].keys[:, :, :2], k[:, :, :2])
+
+
+def test_batched_decode_matches_one_at_a_time(tiny_runner: ModelRunner) -> None:
+    prompts = [[1, 20, 30, 40], [1, 50], [1, 60, 70, 80, 90, 100, 110]]
+
+    def run(batched: bool) -> list[list[float]]:
+        caches = [tiny_runner.new_cache() for _ in prompts]
+        nxt = [int(tiny_runner.prefill(c, p).argmax()) for c, p in zip(caches, prompts, strict=True)]
+        rows: list[list[float]] = [[] for _ in prompts]
+        for _ in range(6):
+            if batched:
+                logits = tiny_runner.decode(caches, nxt)
+            else:
+                logits = torch.stack([tiny_runner.decode([c], [t])[0] for c, t in zip(caches, nxt, strict=True)])
+            nxt = logits.argmax(-1).tolist()
+            for row, values in zip(rows, logits, strict=True):
+                row.append(float(values.max()))
+        return rows
+
+    one, many = run(False), run(True)
+    for a, b in zip(one, many, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+
+
+def test_prefill_in_chunks_equals_one_pass(tiny_runner: ModelRunner) -> None:
+    ids = list(range(100, 400))
+    whole = tiny_runner.new_cache()
+    a = tiny_runner.prefill(whole, ids)
+    chunked = tiny_runner.new_cache()
+    for start in range(0, len(ids), 64):
+        b = tiny_runner.prefill(chunked, ids[start:start + 64])
+    assert torch.allclose(a, b, atol=1e-4)
+    assert torch.allclose(whole.growable_layers[1].keys, chunked.growable_layers[1].keys, atol=1e-5)
+
+
+def test_reconcile_prefix_rules() -> None:
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_len([], [1]) == 0
+    assert reusable_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5]) == 4
+    # A prompt fully inside the cache still leaves one token to prefill (its logits start the reply).
+    assert reusable_prefix([1, 2, 3, 4], [1, 2, 3]) == 2
+    assert reusable_prefix([9, 9], [1, 2]) == 0
+
+
+def _rec(sid: str, size: int, used: float, busy: bool = False, persisted: bool = False) -> CacheRecord:
+    return CacheRecord(sid, size, used, busy, persisted)
+
+
+def test_policy_evicts_least_recently_used_idle_sessions() -> None:
+    records = [_rec("a", 100, 5.0), _rec("b", 100, 1.0), _rec("c", 100, 3.0, busy=True), _rec("d", 100, 2.0)]
+    assert choose_victims(records, need_bytes=50, used_bytes=400, budget_bytes=500) == []
+    assert choose_victims(records, need_bytes=150, used_bytes=400, budget_bytes=500) == ["b"]
+    assert choose_victims(records, need_bytes=250, used_bytes=400, budget_bytes=500) == ["b", "d"]
+    assert choose_victims(records, need_bytes=250, used_bytes=400, budget_bytes=500, protect={"b"}) == ["d", "a"]
+    # Only the busy session would be left: impossible for now.
+    assert choose_victims(records, need_bytes=450, used_bytes=400, budget_bytes=500) is None
+
+
+def test_policy_idle_and_persist_selection() -> None:
+    records = [_rec("old", 1, 0.0), _rec("new", 1, 95.0), _rec("busy", 1, 0.0, busy=True),
+               _rec("saved", 1, 10.0, persisted=True)]
+    assert idle_victims(records, now=100.0, idle_s=30.0) == ["old", "saved"]
+    assert idle_victims(records, now=100.0, idle_s=0) == []
+    assert persist_candidates(records, now=100.0, idle_s=30.0) == ["old"]
+
+
+def test_restore_or_recompute_by_cost() -> None:
+    cpu = CostModel(prefill_tokens_per_s=300.0, restore_bytes_per_s=200e6)
+    assert prefer_restore(num_tokens=2048, file_bytes=80_000_000, cost=cpu, min_tokens=64)
+    assert not prefer_restore(num_tokens=10, file_bytes=400_000, cost=cpu, min_tokens=64)
+    fast_gpu = CostModel(prefill_tokens_per_s=50_000.0, restore_bytes_per_s=200e6)
+    assert not prefer_restore(num_tokens=512, file_bytes=20_000_000, cost=fast_gpu, min_tokens=64)

@@ -1,0 +1,205 @@
+"""Session service behaviour with the tiny model: cancel, concurrency, limits, edits, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from chatd.core import Chatd
+from chatd.errors import BadRequest, Busy, ContextLengthExceeded, NotFound
+from chatd.protocol import GenerationParams
+from chatd.sessions import EditResult, TurnResult
+
+
+def greedy(n: int) -> GenerationParams:
+    return GenerationParams(temperature=0, max_tokens=n)
+
+
+async def test_cancel_mid_reply_keeps_partial_and_other_session_is_unaffected(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    alone = await svc.create()
+    reference = await svc.send(alone.session_id, "Tell me a story.", greedy(24)).wait()
+    assert isinstance(reference, TurnResult)
+
+    a = await svc.create()
+    b_info = await svc.create()
+    long_turn = svc.send(a.session_id, "Count to a thousand.", greedy(2000))
+    other = svc.send(b_info.session_id, "Tell me a story.", greedy(24))
+    pieces: list[str] = []
+    async for piece in long_turn.stream():
+        pieces.append(piece)
+        if len(pieces) == 5:
+            assert await svc.cancel(a.session_id)
+    result = long_turn.result
+    assert isinstance(result, TurnResult)
+    assert result.finish_reason == "cancelled"
+    assert 5 <= result.usage.output_tokens < 2000
+    assert result.assistant_message.content == "".join(pieces)
+    stored = await tiny_core.repo.get_messages(a.session_id)
+    assert stored[-1].role == "assistant" and stored[-1].finish_reason == "cancelled"
+    assert stored[-1].content == "".join(pieces)
+
+    other_result = await other.wait()
+    assert isinstance(other_result, TurnResult)
+    assert other_result.assistant_message.content == reference.assistant_message.content
+    assert other_result.finish_reason == reference.finish_reason
+
+    # The cancelled session keeps working, and reuses its cache.
+    follow = await svc.send(a.session_id, "Thanks.", greedy(4)).wait()
+    assert isinstance(follow, TurnResult)
+    assert follow.usage.cache_tier == "device" and follow.usage.cached_tokens > 0
+
+
+async def test_concurrent_sessions_interleave_and_match_solo_runs(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    prompts = ["First conversation.", "Second one, a bit longer than the first.", "Third."]
+    solo = []
+    for text in prompts:
+        info = await svc.create()
+        solo.append(await svc.send(info.session_id, text, greedy(20)).wait())
+    sessions = [await svc.create() for _ in prompts]
+    order: list[int] = []
+
+    async def run(i: int) -> TurnResult:
+        turn = svc.send(sessions[i].session_id, prompts[i], greedy(20))
+        async for _ in turn.stream():
+            order.append(i)
+        assert isinstance(turn.result, TurnResult)
+        return turn.result
+
+    results = await asyncio.gather(*(run(i) for i in range(len(prompts))))
+    for got, want in zip(results, solo, strict=True):
+        assert isinstance(want, TurnResult)
+        assert got.assistant_message.content == want.assistant_message.content
+    # Step-by-step interleaving: no session streams all its text before another starts.
+    first_done = {i: max(k for k, j in enumerate(order) if j == i) for i in set(order)}
+    first_start = {i: min(k for k, j in enumerate(order) if j == i) for i in set(order)}
+    assert all(first_start[j] < first_done[i] for i in first_done for j in first_start if i != j)
+
+
+async def test_model_runs_only_on_the_engine_thread(tiny_core: Chatd) -> None:
+    seen: set[str] = set()
+    runner = tiny_core.runner
+    original_prefill, original_decode = runner.prefill, runner.decode
+
+    def prefill(*args: object, **kwargs: object) -> object:
+        seen.add(threading.current_thread().name)
+        return original_prefill(*args, **kwargs)  # type: ignore[arg-type]
+
+    def decode(*args: object, **kwargs: object) -> object:
+        seen.add(threading.current_thread().name)
+        return original_decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    runner.prefill, runner.decode = prefill, decode  # type: ignore[method-assign]
+    try:
+        info = await tiny_core.sessions.create()
+        await tiny_core.sessions.send(info.session_id, "Hello", greedy(5)).wait()
+    finally:
+        runner.prefill, runner.decode = original_prefill, original_decode  # type: ignore[method-assign]
+    assert seen == {"chatd-engine"}
+
+
+async def test_context_overflow_is_refused_before_any_work(make_settings, tiny_dir, tiny_runner) -> None:  # type: ignore[no-untyped-def]
+    settings = make_settings(tiny_dir, model={"max_context": 96})
+    tiny_runner_limited = type(tiny_runner)(tiny_runner.model, tiny_runner.tokenizer,
+                                            _with_context(tiny_runner.info, 96))
+    async with Chatd.open(settings, runner=tiny_runner_limited, background=False) as core:
+        svc = core.sessions
+        info = await svc.create()
+        ok = await svc.send(info.session_id, "Hi", greedy(8)).wait()
+        assert isinstance(ok, TurnResult)
+        before = await core.repo.get_messages(info.session_id)
+        with pytest.raises(ContextLengthExceeded):
+            await svc.send(info.session_id, "word " * 200, greedy(8)).wait()
+        with pytest.raises(ContextLengthExceeded):
+            await svc.send(info.session_id, "Hi again", greedy(500)).wait()
+        assert await core.repo.get_messages(info.session_id) == before  # nothing committed
+        # Without an explicit max_tokens the reply is limited to what the context has left.
+        last = await svc.send(info.session_id, "Hi again", GenerationParams(temperature=0)).wait()
+        assert isinstance(last, TurnResult)
+        assert last.usage.input_tokens + last.usage.output_tokens <= 96
+
+
+def _with_context(info, limit):  # type: ignore[no-untyped-def]
+    import dataclasses
+    return dataclasses.replace(info, max_context=limit)
+
+
+async def test_busy_while_generating(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    info = await svc.create()
+    turn = svc.send(info.session_id, "A long answer please", greedy(200))
+    with pytest.raises(Busy):
+        svc.send(info.session_id, "again", greedy(4))
+    with pytest.raises(Busy):
+        svc.edit(info.session_id, 0, "edit", greedy(4))
+    await svc.cancel(info.session_id)
+    await turn.wait()
+    await svc.send(info.session_id, "now it works", greedy(3)).wait()
+
+
+async def test_bad_input_changes_nothing(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    with pytest.raises(NotFound):
+        await svc.send("does-not-exist-000000", "hi", greedy(3)).wait()
+    info = await svc.create()
+    with pytest.raises(BadRequest):
+        await svc.send(info.session_id, "   ", greedy(3)).wait()
+    with pytest.raises(BadRequest):
+        await svc.edit(info.session_id, 0, "no messages yet", greedy(3)).wait()
+    assert await tiny_core.repo.get_messages(info.session_id) == []
+
+
+async def test_edit_assistant_message_generates_nothing_and_next_turn_reuses_prefix(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    info = await svc.create(system="Be brief.")
+    await svc.send(info.session_id, "Hello", greedy(6)).wait()
+    await svc.send(info.session_id, "More", greedy(6)).wait()
+    before = await tiny_core.repo.get_messages(info.session_id)
+    result = await svc.edit(info.session_id, 2, "Hi! (edited)", greedy(6)).wait()
+    assert isinstance(result, EditResult)
+    assert result.message.content == "Hi! (edited)" and result.message.role == "assistant"
+    after = await tiny_core.repo.get_messages(info.session_id)
+    assert len(after) == 3 and after[2].content == "Hi! (edited)"
+    header = len(tiny_core.sessions.template.generation_prompt_ids)
+    prefix = sum(len(m.token_ids) for m in before[:2])
+    assert result.invalidated_from >= prefix + header
+    turn = await svc.send(info.session_id, "Next", greedy(4)).wait()
+    assert isinstance(turn, TurnResult)
+    # The cache is cut exactly where the edited reply starts to differ.
+    assert turn.usage.cached_tokens == result.invalidated_from
+
+
+async def test_seeded_sampling_is_reproducible(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    params = GenerationParams(temperature=1.0, top_p=0.9, top_k=40, seed=7, max_tokens=12)
+    outs = []
+    for _ in range(2):
+        info = await svc.create()
+        result = await svc.send(info.session_id, "Say something", params).wait()
+        assert isinstance(result, TurnResult)
+        outs.append(result.assistant_message.content)
+    assert outs[0] == outs[1]
+
+
+async def test_stop_string_truncates_and_stores_matching_ids(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    info = await svc.create()
+    free = await svc.send(info.session_id, "Go", greedy(30)).wait()
+    assert isinstance(free, TurnResult)
+    text = free.assistant_message.content
+    assert len(text) > 6
+    stop = text[4:7]
+    info2 = await svc.create()
+    stopped = await svc.send(info2.session_id, "Go", GenerationParams(temperature=0, max_tokens=30,
+                                                                       stop=[stop])).wait()
+    assert isinstance(stopped, TurnResult)
+    assert stopped.finish_reason == "stop"
+    assert stopped.assistant_message.content == text[: text.find(stop)]
+    stored = (await tiny_core.repo.get_messages(info2.session_id))[-1]
+    template = tiny_core.sessions.template
+    start, end = template.content_span("assistant", stored.index, stored.token_ids)
+    decoded = tiny_core.runner.tokenizer.decode(list(stored.token_ids[start:end]), skip_special_tokens=True)
+    assert decoded == stopped.assistant_message.content
