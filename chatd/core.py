@@ -7,6 +7,7 @@ the server's lifespan, the terminal chat and the tests all use this one path.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -52,6 +53,10 @@ class Chatd:
         await db.upgrade_async(settings.store_url)
         if runner is None:
             runner = await asyncio.to_thread(ModelRunner.load, settings.model, settings.data_path)
+        elif settings.model.max_context and settings.model.max_context < runner.info.max_context:
+            # A shared, already loaded model (tests) still honours this configuration's context cap.
+            runner = ModelRunner(runner.model, runner.tokenizer,
+                                 dataclasses.replace(runner.info, max_context=settings.model.max_context))
         engine = db.create_engine(settings.store_url, echo=settings.store.echo)
         repo = Repo(db.make_sessionmaker(engine))
         worker = EngineWorker(runner, prefill_chunk_tokens=settings.model.prefill_chunk_tokens,

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
+import tomli_w
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
@@ -65,3 +72,82 @@ def reference_greedy(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_
         if token in eos_ids or len(generated) >= max_new_tokens:
             return generated
         out = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+
+
+# ----------------------------------------------------------------------------- real server processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """``chatd serve`` in a child process on a loopback port, with its own config file and data folder.
+
+    ``start()`` waits until /healthz answers; ``kill()`` sends SIGKILL (a crash), ``stop()`` SIGTERM (a
+    graceful shutdown). The same folder can be started again to test restarts.
+    """
+
+    def __init__(self, folder: Path, model_dir: Path, **sections: dict[str, object]) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.admin_token = "test-admin-token"
+        settings: dict[str, object] = {"data_dir": str(folder / "data"), "log_level": "info"}
+        settings["model"] = {"source": str(model_dir), "threads": 1, **sections.pop("model", {})}
+        settings["server"] = {"host": "127.0.0.1", "port": self.port, "admin_token": self.admin_token,
+                              **sections.pop("server", {})}
+        settings["cache"] = {"persist_idle_s": 0, "idle_evict_s": 0, **sections.pop("cache", {})}
+        settings.update(sections)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.config_path = folder / "config.toml"
+        self.config_path.write_text(tomli_w.dumps(settings))
+        self.log_path = folder / "server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        log = self.log_path.open("ab")
+        self.process = process = subprocess.Popen(
+            [sys.executable, "-m", "chatd", "serve", "--config", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"chatd serve exited early:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.http_url}/healthz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"chatd serve did not become healthy:\n{self.log_path.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to clean up."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(30)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait: graceful shutdown. Returns the exit code."""
+        if self.process is None or self.process.poll() is not None:
+            return 0
+        self.process.send_signal(signal.SIGTERM)
+        return int(self.process.wait(timeout))
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")

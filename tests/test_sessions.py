@@ -103,9 +103,7 @@ async def test_model_runs_only_on_the_engine_thread(tiny_core: Chatd) -> None:
 
 async def test_context_overflow_is_refused_before_any_work(make_settings, tiny_dir, tiny_runner) -> None:  # type: ignore[no-untyped-def]
     settings = make_settings(tiny_dir, model={"max_context": 96})
-    tiny_runner_limited = type(tiny_runner)(tiny_runner.model, tiny_runner.tokenizer,
-                                            _with_context(tiny_runner.info, 96))
-    async with Chatd.open(settings, runner=tiny_runner_limited, background=False) as core:
+    async with Chatd.open(settings, runner=tiny_runner, background=False) as core:
         svc = core.sessions
         info = await svc.create()
         ok = await svc.send(info.session_id, "Hi", greedy(8)).wait()
@@ -120,11 +118,6 @@ async def test_context_overflow_is_refused_before_any_work(make_settings, tiny_d
         last = await svc.send(info.session_id, "Hi again", GenerationParams(temperature=0)).wait()
         assert isinstance(last, TurnResult)
         assert last.usage.input_tokens + last.usage.output_tokens <= 96
-
-
-def _with_context(info, limit):  # type: ignore[no-untyped-def]
-    import dataclasses
-    return dataclasses.replace(info, max_context=limit)
 
 
 async def test_busy_while_generating(tiny_core: Chatd) -> None:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -63,7 +64,9 @@ class _Entry:
     last_used: float
     busy: bool = False
     persisted: bool = False
-    io: asyncio.Task[None] | None = None
+    io: asyncio.Task[bool] | None = None
+    # Set when the cache was restored ahead of its turn (resume, admin): that turn reports tier disk.
+    restored_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,9 @@ class KVStats:
     snapshot_write_failures: int = 0
     restores: int = 0
     restore_failures: int = 0
-    restore_seconds: list[float] = field(default_factory=list)
+    restore_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    # Most recent evictions, oldest first: (session_id, reason) with reason room | idle | admin.
+    eviction_log: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=1000))
 
 
 class KVManager:
@@ -162,8 +167,8 @@ class KVManager:
         self.check_fits(capacity)
         async with self._room:
             # Snapshot I/O reads the buffers below `length`; never change them under it.
-            while (entry := self._entries.get(session_id)) is not None and entry.io is not None:
-                await asyncio.shield(entry.io)
+            await self._wait_io(session_id)
+            entry = self._entries.get(session_id)
             if entry is not None:
                 entry.busy = True
                 try:
@@ -176,6 +181,9 @@ class KVManager:
                     entry.busy = False
                     raise
                 del entry.cached_ids[reuse:]
+                restored_ms, entry.restored_ms = entry.restored_ms, None
+                if restored_ms is not None and reuse:
+                    return Lease(session_id, cache, prompt, reuse, "disk", restored_ms)
                 return Lease(session_id, cache, prompt, reuse, "device" if reuse else "none", None)
             return await self._acquire_cold(session_id, prompt, capacity)
 
@@ -229,25 +237,48 @@ class KVManager:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._room.wait(), timeout=min(remaining, 5.0))
                 continue
-            for session_id in victims:
-                await self._evict_now(session_id, reason="room")
+            # Victims are marked busy (their I/O is in flight) before the lock is released, so nobody
+            # else picks them, and their bytes stay counted until they are freed. Other sessions'
+            # turns that fit the budget can start meanwhile.
+            evictions = [self._evict(session_id, reason="room") for session_id in victims]
+            self._room.release()
+            try:
+                await asyncio.gather(*evictions)
+            finally:
+                await self._room.acquire()
 
-    async def _evict_now(self, session_id: str, *, reason: str) -> bool:
+    def _evict(self, session_id: str, *, reason: str) -> Awaitable[bool]:
+        """Snapshot (unless already on disk) and free one idle cache; resolves to whether it did.
+
+        The entry is marked busy synchronously, before this returns, so a caller may release the
+        room lock right after. When the snapshot cannot be written, an eviction for room frees the
+        cache anyway (the session recomputes later); any other eviction keeps it resident."""
         entry = self._entries.get(session_id)
         if entry is None or entry.busy or entry.io is not None:
+            return _resolved(False)
+        if entry.persisted or self.snapshots is None or not entry.cached_ids:
+            self._evicted(entry, reason)
+            return _resolved(True)
+        return self._evict_after_write(entry, self._start_io(entry, self._persist(entry)), reason)
+
+    async def _evict_after_write(self, entry: _Entry, write: asyncio.Task[bool], reason: str) -> bool:
+        ok = await self._wait_task(write)
+        if entry.busy or self._entries.get(entry.session_id) is not entry:
+            return False  # a turn claimed it meanwhile; the snapshot stays valid as a prefix
+        if not ok and reason != "room":
             return False
-        if not entry.persisted and self.snapshots is not None and entry.cached_ids:
-            ok = await self._run_io(entry, self._persist(entry))
-            if not ok and reason == "idle":
-                return False  # keep it resident; the next attempt may succeed
+        self._evicted(entry, reason)
+        return True
+
+    def _evicted(self, entry: _Entry, reason: str) -> None:
         self._forget(entry)
         self.stats.evictions += 1
+        self.stats.eviction_log.append((entry.session_id, reason))
         if reason == "idle":
             self.stats.evictions_idle += 1
         elif reason == "room":
             self.stats.evictions_for_room += 1
         self._on_event("eviction", 1.0)
-        return True
 
     def _forget(self, entry: _Entry) -> None:
         if self._entries.get(entry.session_id) is entry:
@@ -259,20 +290,29 @@ class KVManager:
 
     async def _wait_io(self, session_id: str) -> None:
         while (entry := self._entries.get(session_id)) is not None and entry.io is not None:
-            await asyncio.shield(entry.io)
+            await self._wait_task(entry.io)
 
-    async def _run_io(self, entry: _Entry, work: Awaitable[bool]) -> bool:
-        async def runner() -> None:
-            nonlocal ok
-            ok = await work
-
-        ok = False
-        entry.io = asyncio.ensure_future(runner())
+    @staticmethod
+    async def _wait_task(task: asyncio.Task[bool]) -> bool:
         try:
-            await asyncio.shield(entry.io)
-        finally:
-            entry.io = None
-        return ok
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("snapshot I/O failed")
+            return False
+
+    def _start_io(self, entry: _Entry, work: Awaitable[bool]) -> asyncio.Task[bool]:
+        """Run snapshot I/O for ``entry``; while it runs the entry is busy (never evicted, and a turn
+        waits before touching its cache). ``entry.io`` is cleared before waiters wake."""
+        async def run() -> bool:
+            try:
+                return await work
+            finally:
+                entry.io = None
+
+        entry.io = asyncio.ensure_future(run())
+        return entry.io
 
     async def _persist(self, entry: _Entry) -> bool:
         assert self.snapshots is not None
@@ -340,10 +380,9 @@ class KVManager:
         """Snapshot (when not on disk yet) and free the session's cache. False when it is not resident
         or is generating."""
         await self._wait_io(session_id)
-        async with self._room:
-            evicted = await self._evict_now(session_id, reason="admin")
-            self._room.notify_all()
-            return evicted
+        evicted = await self._evict(session_id, reason="admin")
+        await self._notify_room()
+        return evicted
 
     async def restore(self, session_id: str, conversation_ids: Sequence[int]) -> Tier:
         """Bring a session's cache back ahead of its next turn (resume, admin restore)."""
@@ -364,6 +403,7 @@ class KVManager:
         if entry is not None:
             # The snapshot starts with exactly these ids: evicting again needs no write.
             entry.persisted = lease.num_cached > 0
+            entry.restored_ms = lease.restore_ms
         return "device"
 
     async def drop(self, session_id: str) -> None:
@@ -399,7 +439,7 @@ class KVManager:
         for session_id in policy.persist_candidates(self._records(), now=float("inf"), idle_s=1.0):
             entry = self._entries.get(session_id)
             if entry is not None and not entry.busy and entry.io is None and entry.cached_ids:
-                count += await self._run_io(entry, self._persist(entry))
+                count += await self._wait_task(self._start_io(entry, self._persist(entry)))
         return count
 
     async def tick(self) -> None:
@@ -410,12 +450,11 @@ class KVManager:
         for session_id in policy.persist_candidates(self._records(), now=now, idle_s=self.settings.persist_idle_s):
             entry = self._entries.get(session_id)
             if entry is not None and not entry.busy and entry.io is None and entry.cached_ids:
-                await self._run_io(entry, self._persist(entry))
+                await self._wait_task(self._start_io(entry, self._persist(entry)))
         for session_id in policy.idle_victims(self._records(), now=now, idle_s=self.settings.idle_evict_s):
             await self._wait_io(session_id)
-            async with self._room:
-                await self._evict_now(session_id, reason="idle")
-                self._room.notify_all()
+            if await self._evict(session_id, reason="idle"):
+                await self._notify_room()
 
     async def _background_loop(self, interval_s: float) -> None:
         while True:
@@ -429,6 +468,10 @@ class KVManager:
         task = asyncio.ensure_future(awaitable)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+async def _resolved(value: bool) -> bool:
+    return value
 
 
 def _new_reserved(worker: EngineWorker, capacity: int) -> SessionKV:

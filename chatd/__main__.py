@@ -1,0 +1,3 @@
+from chatd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""create_app: the FastAPI application, its lifespan (the core lives in app.state) and error mapping."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chatd import __version__
+from chatd.config import Settings
+from chatd.core import Chatd
+from chatd.engine.runner import ModelRunner
+from chatd.errors import ChatdError
+from chatd.server import admin
+from chatd.server.metrics import CONTENT_TYPE, Metrics
+from chatd.server.ws import websocket_endpoint
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "static"
+ADMIN_TOKEN_FILE = "admin_token"
+
+
+def admin_token(settings: Settings) -> str:
+    """The configured admin token, or one generated once into ``<data_dir>/admin_token`` (mode 0600)."""
+    if settings.server.admin_token:
+        return settings.server.admin_token
+    path = settings.data_path / ADMIN_TOKEN_FILE
+    if path.exists():
+        token = path.read_text().strip()
+        if token:
+            return token
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    log.info("generated an admin token in %s", path)
+    return token
+
+
+def _error(code: str, message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> FastAPI:
+    """The chatd application. ``runner`` lets tests share an already loaded model."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with Chatd.open(settings, runner=runner) as core:
+            app.state.core = core
+            app.state.metrics = Metrics(core)
+            app.state.admin_token = admin_token(settings)
+            log.info("chatd ready: model %s on %s", core.runner.info.name, core.runner.info.device)
+            yield
+
+    app = FastAPI(title="chatd", version=__version__, lifespan=lifespan,
+                  description="Session-aware chat backend: websocket chat at /ws, session admin under /admin.")
+
+    @app.exception_handler(ChatdError)
+    async def chatd_error(request: Request, exc: ChatdError) -> JSONResponse:
+        return _error(exc.code, exc.message, exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+        return _error("bad_request", problems or "invalid request", 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 401: "unauthorized", 405: "bad_request"}.get(exc.status_code, "bad_request")
+        return _error(code, str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error("internal", "internal error", 500)
+
+    @app.get("/healthz", tags=["ops"])
+    async def healthz(request: Request) -> dict[str, object]:
+        core: Chatd = request.app.state.core
+        return {"status": "ok", "model": core.runner.info.name, "version": __version__}
+
+    @app.get("/metrics", tags=["ops"])
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_api_websocket_route("/ws", websocket_endpoint)
+    app.include_router(admin.router)
+    if STATIC_DIR.is_dir():
+        app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="ui")
+    return app
