@@ -17,9 +17,9 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
@@ -183,8 +183,8 @@ class SessionService:
         self.kv.check_fits(prompt_len + resolved.max_tokens)
         return resolved
 
-    def _spawn(self, coro: object) -> asyncio.Task[object]:
-        task: asyncio.Task[object] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
+        task: asyncio.Task[object] = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -361,6 +361,8 @@ class SessionService:
     async def _commit_reply(self, turn: Turn, user: MessageRecord, prompt: list[int], lease: Lease,
                             result: GenerationResult | None, started: float, invalidated_from: int | None) -> None:
         index = user.index + 1
+        content_ids: tuple[int, ...]
+        generated: tuple[int, ...]
         if result is None:  # cancelled before the first forward pass
             text, content_ids, generated, reason = "", (), (), "cancelled"
             first_token_at, tps = None, 0.0

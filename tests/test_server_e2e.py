@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from chatd.client import ChatClient, ChatError, ConnectionLost
 from chatd.protocol import MessageDone
-from tests.support import ServerProcess, tiny_model_dir
+from tests.support import ROOT, ServerProcess, tiny_model_dir
 
 MAX_CHARS = 2000
 MAX_FRAME = 16_384
@@ -350,3 +352,20 @@ async def test_api_key_and_origin(tmp_path: Path) -> None:
         assert status.value.response.status_code == 403
     finally:
         proc.kill()
+
+
+def test_terminal_chat(server: ServerProcess) -> None:
+    script = "Hello there\nSecond line\n/usage\n/edit 0 Hello again\n/history\n/session\n/quit\n"
+    run = subprocess.run([sys.executable, "-m", "chatd", "chat", "--url", server.ws_url],
+                         input=script, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "new session" in out
+    assert "cached" in out and "(device)" in out  # /usage after the second turn
+    history = out.split("[0] user: ")[-1]
+    assert history.startswith("Hello again") and "[2]" not in history  # the edit dropped the later turn
+    session_id = out.split("new session ", 1)[1].split()[0]
+    assert out.count(session_id) == 2  # the greeting and /session
+    detail = httpx.get(f"{server.http_url}/admin/sessions/{session_id}", headers=server.admin_headers).json()
+    assert detail["messages"][0]["content"] == "Hello again"
+    assert len(detail["messages"]) == 2

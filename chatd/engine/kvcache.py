@@ -11,6 +11,7 @@ Only the engine worker thread may touch these tensors (see worker.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -77,7 +78,7 @@ class GrowableLayer(DynamicLayer):
         self._v[:, :, self.length : end].copy_(value_states)
         self.length = end
         self._refresh_views()
-        return self.keys, self.values
+        return self._k[:, :, :end], self._v[:, :, :end]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -95,6 +96,7 @@ class GrowableLayer(DynamicLayer):
 
     def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[kv_heads, length, head_dim]`` of K and V; each head's slab is contiguous."""
+        assert self.keys is not None and self.values is not None
         return self.keys[0], self.values[0]
 
 
@@ -104,7 +106,7 @@ class SessionKV(DynamicCache):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         layers = [GrowableLayer(num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
-        Cache.__init__(self, layers=layers)
+        Cache.__init__(self, layers=list[Any](layers))
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype

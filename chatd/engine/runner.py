@@ -88,7 +88,7 @@ class _RowBatchCache(Cache):
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states: [batch, kv_heads, 1, head_dim]
         for i, row in enumerate(self.rows):
-            row.layers[layer_idx].update(key_states[i : i + 1], value_states[i : i + 1])
+            row.growable_layers[layer_idx].update(key_states[i : i + 1], value_states[i : i + 1])
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -105,10 +105,10 @@ def _row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     outputs = []
     for i, row in enumerate(chatd_rows):
-        layer = row.layers[layer_idx]
-        # query[i]: [heads, 1, head_dim]; layer.keys: [1, kv_heads, length, head_dim]
+        keys, values = row.growable_layers[layer_idx].filled()
+        # query[i]: [heads, 1, head_dim]; keys: [kv_heads, length, head_dim]
         outputs.append(F.scaled_dot_product_attention(
-            query[i : i + 1], layer.keys, layer.values, scale=scaling, enable_gqa=True))
+            query[i : i + 1], keys[None], values[None], scale=scaling, enable_gqa=True))
     out = torch.cat(outputs, dim=0)  # [batch, heads, 1, head_dim]
     return out.transpose(1, 2).contiguous(), None
 
@@ -176,7 +176,7 @@ def convert_packaged_model(data_dir: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     # The GGUF quantizer marks the model unserializable; the weights are plain fp32 after loading.
-    model.hf_quantizer = None
+    setattr(model, "hf_quantizer", None)  # noqa: B010 (typed as a module attribute by transformers)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = PACKAGED_MODEL_NAME
@@ -241,7 +241,8 @@ class ModelRunner:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         except OSError as exc:
             raise ConfigError(f"cannot load model {settings.source!r}: {exc}") from exc
-        model.to(device).eval()
+        model.to(device=device)  # type: ignore[call-arg]  # transformers' wrapped .to confuses mypy
+        model.eval()
         if not tokenizer.chat_template:
             raise ConfigError(f"model {settings.source!r} has no chat template")
         if isinstance(folder, Path):

@@ -285,10 +285,10 @@ class EngineWorker:
         batch = list(itertools.islice(self._decoding, self.max_batch_size))
         if len(self._decoding) > len(batch):
             self._decoding.rotate(-len(batch))
-        tokens = [job.pending for job in batch]
-        assert all(t is not None for t in tokens)
+        tokens = [job.pending for job in batch if job.pending is not None]
+        assert len(tokens) == len(batch), "every decoding job has a sampled token to feed"
         try:
-            logits = self.runner.decode([job.cache for job in batch], tokens)  # type: ignore[misc]
+            logits = self.runner.decode([job.cache for job in batch], tokens)
         except Exception as exc:
             for job in batch:
                 self._decoding.remove(job)

@@ -176,7 +176,12 @@ class KVManager:
                     await self._make_room(capacity * self.bytes_per_token - entry.cache.num_bytes,
                                           protect={session_id})
                     cache = entry.cache
-                    await self.worker.call(lambda: (cache.truncate(reuse), cache.reserve(capacity)))
+
+                    def fit() -> None:
+                        cache.truncate(reuse)
+                        cache.reserve(capacity)
+
+                    await self.worker.call(fit)
                 except BaseException:
                     entry.busy = False
                     raise

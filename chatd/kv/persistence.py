@@ -17,7 +17,7 @@ import hashlib
 import logging
 import struct
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -68,9 +68,9 @@ class SnapshotService:
         self.num_deleted_for_budget = 0
         self.bytes_written = 0
 
-    async def _in_io(self, fn: object, *args: object) -> T:  # type: ignore[type-var]
+    async def _in_io(self, fn: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._io, fn, *args)  # type: ignore[arg-type]
+        return await loop.run_in_executor(self._io, fn, *args)
 
     def close(self) -> None:
         self._io.shutdown(wait=True)

@@ -16,7 +16,8 @@ from chatd.store.repo import SessionRecord
 
 
 def _core(request: Request) -> Chatd:
-    return request.app.state.core  # type: ignore[no-any-return]
+    core: Chatd = request.app.state.core
+    return core
 
 
 def require_admin(request: Request) -> None:
