@@ -330,8 +330,29 @@ async def test_restart_loses_nothing_acknowledged_and_resumes_from_snapshots(tmp
         proc.kill()
 
 
-async def test_api_key_and_origin(tmp_path: Path) -> None:
-    proc = ServerProcess(tmp_path, tiny_model_dir(), server={"api_keys": ["k-123"],
+async def test_graceful_shutdown_snapshots_resident_sessions(tmp_path: Path) -> None:
+    proc = ServerProcess(tmp_path, tiny_model_dir(), cache={"restore_min_tokens": 0}).start()
+    try:
+        async with await ChatClient.connect(proc.ws_url, reconnect=False) as c:
+            session = await c.create_session()
+            first = await (await c.send(session.session_id, "remember me", max_tokens=8)).result()
+            assert isinstance(first, MessageDone)
+        # SIGTERM: uvicorn shuts down gracefully (then re-raises the signal, hence -15), and idle
+        # resident caches are written to disk on the way out.
+        assert proc.stop() in (0, -15)
+        assert "snapshotted 1 sessions at shutdown" in proc.log_text()
+        proc.start()
+        async with await ChatClient.connect(proc.ws_url) as c:
+            done = await (await c.send(session.session_id, "still here?", max_tokens=4)).result()
+            assert isinstance(done, MessageDone)
+            assert done.usage.cache_tier == "disk"
+            assert done.usage.cached_tokens == first.usage.input_tokens + first.usage.output_tokens - 1
+    finally:
+        proc.kill()
+
+
+async def test_api_key_origin_and_idle_timeout(tmp_path: Path) -> None:
+    proc = ServerProcess(tmp_path, tiny_model_dir(), server={"api_keys": ["k-123"], "idle_timeout_s": 2.0,
                                                              "allowed_origins": ["https://chat.example"]}).start()
     try:
         with pytest.raises(ChatError) as refused:
@@ -350,6 +371,12 @@ async def test_api_key_and_origin(tmp_path: Path) -> None:
             async with connect(f"{proc.ws_url}?api_key=k-123", origin="https://evil.example"):  # type: ignore[arg-type]
                 pass
         assert status.value.response.status_code == 403
+        # A connection with nothing to do is closed after idle_timeout_s.
+        async with connect(f"{proc.ws_url}?api_key=k-123") as ws:
+            assert json.loads(await ws.recv())["type"] == "hello"
+            with pytest.raises(ConnectionClosed) as closed:
+                await asyncio.wait_for(ws.recv(), 10)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4000
     finally:
         proc.kill()
 
