@@ -56,13 +56,6 @@ class SessionInfo(_Model):
     tier: Tier
 
 
-class Message(_Model):
-    index: int
-    role: Role
-    content: str
-    created_at: datetime
-
-
 class Usage(_Model):
     """Where a turn's context came from. ``cached_tokens + prefill_tokens == input_tokens``."""
 
@@ -75,6 +68,17 @@ class Usage(_Model):
     restore_ms: float | None = None
     ttft_ms: float
     decode_tokens_per_s: float
+
+
+class Message(_Model):
+    index: int
+    role: Role
+    content: str
+    created_at: datetime
+    finish_reason: FinishReason | None = None
+    """Assistant messages in ``session.resumed`` only: how the reply ended."""
+    usage: Usage | None = None
+    """Assistant messages in ``session.resumed`` only: the usage of the turn that produced it."""
 
 
 # ----------------------------------------------------------------------------- client -> server

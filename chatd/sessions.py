@@ -41,9 +41,14 @@ def new_session_id() -> str:
     return secrets.token_urlsafe(18)
 
 
-def to_message(record: MessageRecord) -> Message:
-    return Message(index=record.index, role=record.role, content=record.content,  # type: ignore[arg-type]
-                   created_at=record.created_at)
+def to_message(record: MessageRecord, *, with_usage: bool = False) -> Message:
+    """The wire form of a stored message; ``with_usage`` adds an assistant reply's finish reason and usage."""
+    message = Message(index=record.index, role=record.role, content=record.content,  # type: ignore[arg-type]
+                      created_at=record.created_at)
+    if with_usage and record.role == "assistant":
+        message.finish_reason = record.finish_reason  # type: ignore[assignment]
+        message.usage = Usage.model_validate(record.usage) if record.usage else None
+    return message
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,7 @@ class SessionService:
         if not self.kv.is_resident(session_id) and messages and session_id not in self._claims:
             ids = self.template.conversation_ids(m.token_ids for m in messages)
             self._spawn(self._restore_quietly(session_id, ids))
-        return info, [to_message(m) for m in messages]
+        return info, [to_message(m, with_usage=True) for m in messages]
 
     async def _restore_quietly(self, session_id: str, ids: Sequence[int]) -> None:
         try:

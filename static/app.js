@@ -58,8 +58,9 @@ const state = {
   openError: null, // why it could not be opened
   editing: null, // index of the message being edited
   turns: new Map(), // session id -> the reply running in it: {text, view, expectsReply}
-  // Usage of replies and results of edits made in this page, by `${session}:${index}`; session.resumed
-  // does not carry them. `content` guards against showing them for a message that changed since.
+  // Usage of replies and results of edits made in this page, by `${session}:${index}` (session.resumed
+  // carries usage, but not edit results). `content` guards against showing them for a message that
+  // changed since.
   meta: new Map(),
   notes: new Map(),
 };
@@ -460,8 +461,11 @@ function renderChat() {
     const id = key(state.sessionId, message.index);
     const meta = state.meta.get(id);
     const note = state.notes.get(id);
+    // Replies from earlier visits carry their usage in session.resumed.
+    const stored = message.usage
+      ? { usage: message.usage, finishReason: message.finish_reason, content: message.content } : null;
     nodes.push(renderMessage(message, {
-      meta: meta && meta.content === message.content ? meta : null,
+      meta: meta && meta.content === message.content ? meta : stored,
       note: note && note.content === message.content ? note : null,
       editing: state.editing === message.index,
       canEdit,

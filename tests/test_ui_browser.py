@@ -344,6 +344,10 @@ def test_reload_finds_the_session_in_the_sidebar(page: Page) -> None:
     expect(users.first.get_by_test_id("message-body")).to_have_text("A conversation to come back to")
     expect(users.last.get_by_test_id("message-body")).to_have_text("With a second turn")
     expect(messages(page, "assistant")).to_have_count(2)
+    # The replies' usage lines come back with the session: turn 2 still shows its device-tier cache hit.
+    expect(usage_lines(page)).to_have_count(2)
+    expect(usage_lines(page).last).to_have_attribute("data-tier", "device")
+    assert int_attr(usage_lines(page).last, "data-cached") > 0
 
 
 def check_no_markup_ran(page: Page) -> None:
