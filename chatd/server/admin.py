@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from chatd.core import Chatd
 from chatd.errors import NotFound, Unauthorized
 from chatd.protocol import Message, SessionInfo, Tier
+from chatd.sessions import to_message
 from chatd.store.repo import SessionRecord
 
 
@@ -52,8 +53,6 @@ class MessageDetail(Message):
     """[start, end) of the message's ids in the conversation's ids."""
     content_span: tuple[int, int]
     """[start, end) of the content ids (without the template's header and footer)."""
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
 
 
 class SessionDetail(AdminSession):
@@ -111,9 +110,8 @@ async def get_session(session_id: str, core: CoreDep) -> SessionDetail:
     for m in await core.repo.get_messages(session_id):
         start, end = template.content_span(m.role, m.index, m.token_ids)
         messages.append(MessageDetail(
-            index=m.index, role=m.role, content=m.content, created_at=m.created_at,  # type: ignore[arg-type]
-            num_tokens=len(m.token_ids), token_span=(position, position + len(m.token_ids)),
-            content_span=(position + start, position + end), finish_reason=m.finish_reason, usage=m.usage))
+            **to_message(m, with_usage=True).model_dump(), num_tokens=len(m.token_ids),
+            token_span=(position, position + len(m.token_ids)), content_span=(position + start, position + end)))
         position += len(m.token_ids)
     base = await _admin_session(core, record)
     return SessionDetail(**base.model_dump(), messages=messages,
