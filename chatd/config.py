@@ -147,10 +147,17 @@ def _parse_env_value(raw: str) -> Any:
 
 
 def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> None:
+    """Apply CHATD_<SECTION>__<KEY> and CHATD_<TOP_LEVEL_KEY> variables. Other CHATD_* names (used by
+    tools around chatd) are not settings and are left alone; a wrong key inside a known section is
+    still an error."""
+    sections = {name for name, f in Settings.model_fields.items() if isinstance(f.default_factory, type)}
+    top_level = set(Settings.model_fields) - sections - {"base_dir"}
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX) or name == "CHATD_CONFIG":
             continue
         parts = name[len(ENV_PREFIX) :].lower().split("__")
+        if not (parts[0] in sections and len(parts) > 1) and not (len(parts) == 1 and parts[0] in top_level):
+            continue
         target = data
         for part in parts[:-1]:
             target = target.setdefault(part, {})
