@@ -253,33 +253,39 @@ class EngineWorker:
                 self._finish(job, "cancelled")
 
     def _step(self) -> None:
-        # Alternate prefill chunks and decode steps when both kinds of work are waiting.
+        # Alternate prefill and decode steps when both kinds of work are waiting. A prefill step spends
+        # up to prefill_chunk_tokens tokens, over as many waiting prompts as fit: short prompts of many
+        # new sessions start together instead of one per decode step, and a long prompt is split.
         do_prefill = bool(self._prefilling) and (self._prefill_turn or not self._decoding)
         self._prefill_turn = not self._prefill_turn
         if do_prefill:
-            self._prefill_chunk(self._prefilling[0])
+            budget = self.prefill_chunk_tokens
+            while budget > 0 and self._prefilling:
+                budget -= self._prefill_chunk(self._prefilling[0], budget)
         elif self._decoding:
             self._decode_step()
 
-    def _prefill_chunk(self, job: _Job) -> None:
+    def _prefill_chunk(self, job: _Job, max_tokens: int) -> int:
+        """Prefill up to ``max_tokens`` more of ``job``'s prompt; return how many were fed."""
         start = job.prefill_pos
-        chunk = job.prefill_ids[start : start + self.prefill_chunk_tokens]
+        chunk = job.prefill_ids[start : start + max_tokens]
         try:
             logits = self.runner.prefill(job.cache, chunk)
         except Exception as exc:
             self._prefilling.remove(job)
             self._fail(job, exc)
-            return
+            return max(len(chunk), 1)
         self.num_prefill_tokens += len(chunk)
         job.prefill_pos += len(chunk)
         if job.prefill_pos < len(job.prefill_ids):
             # Round robin among prefilling jobs, chunk by chunk.
             self._prefilling.rotate(-1)
-            return
+            return len(chunk)
         self._prefilling.remove(job)
         job.prefill_done_at = time.monotonic()
         if self._accept(job, sample(logits, job.params, job.generator)):
             self._decoding.append(job)
+        return len(chunk)
 
     def _decode_step(self) -> None:
         batch = list(itertools.islice(self._decoding, self.max_batch_size))
