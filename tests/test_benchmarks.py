@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.common import FIGURE_KEYS, ROOT
+from benchmarks.common import FIGURE_KEYS, PLANS, ROOT
 
 pytestmark = pytest.mark.real_model
 
@@ -88,7 +88,7 @@ def test_quick_report_is_complete(quick_run: tuple[dict[str, Any], str, str]) ->
 def test_quick_report_correctness_checks(quick_run: tuple[dict[str, Any], str, str]) -> None:
     figures = quick_run[0]["figures"]
     restore = figures["restore_vs_prefill"]
-    assert [r["tokens"] for r in restore["rows"]] == [512, 2048, 4096]
+    assert [r["tokens"] for r in restore["rows"]] == list(PLANS["quick"].restore_tokens)
     assert all(r["bit_exact"] for r in restore["rows"])
     codecs = figures["snapshot_codecs"]["rows"]
     lossless = [r for r in codecs if r["stored_dtype"] == quick_run[0]["model"]["dtype"]]
@@ -116,7 +116,7 @@ def test_quick_markdown_has_every_figure_and_the_peer_line(quick_run: tuple[dict
 
 
 def test_plans_name_every_mode() -> None:
-    from benchmarks.common import PLANS, plan_for
+    from benchmarks.common import plan_for
 
     assert plan_for("quick", "cpu") is PLANS["quick"]
     assert plan_for("quick", "cuda") is PLANS["quick-cuda"]
