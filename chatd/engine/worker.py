@@ -139,7 +139,6 @@ class EngineWorker:
         self._prefilling: deque[_Job] = deque()
         self._decoding: deque[_Job] = deque()
         self._prefill_turn = False
-        self.steps = itertools.count()
         # Counters read by metrics (written only by the worker thread).
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0

@@ -101,8 +101,7 @@ class KVStats:
 
 class KVManager:
     def __init__(self, worker: EngineWorker, info: ModelInfo, settings: CacheSettings,
-                 snapshots: SnapshotService | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 on_event: Callable[[str, float], None] | None = None) -> None:
+                 snapshots: SnapshotService | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.worker = worker
         self.info = info
         self.settings = settings
@@ -111,7 +110,6 @@ class KVManager:
         self.budget_bytes = int(settings.device_budget_mb * 1024 * 1024)
         self.bytes_per_token = info.bytes_per_token
         self.stats = KVStats()
-        self._on_event = on_event or (lambda name, value: None)
         self._entries: dict[str, _Entry] = {}
         self._room = asyncio.Condition()
         self._background: asyncio.Task[None] | None = None
@@ -283,7 +281,6 @@ class KVManager:
             self.stats.evictions_idle += 1
         elif reason == "room":
             self.stats.evictions_for_room += 1
-        self._on_event("eviction", 1.0)
 
     def _forget(self, entry: _Entry) -> None:
         if self._entries.get(entry.session_id) is entry:
@@ -376,7 +373,6 @@ class KVManager:
         elapsed = self.clock() - started
         self.stats.restores += 1
         self.stats.restore_seconds.append(elapsed)
-        self._on_event("restore", elapsed)
         return Lease(session_id, cache, prompt, reuse, "disk", round(elapsed * 1000, 2))
 
     # ------------------------------------------------------------------ operator actions

@@ -171,6 +171,7 @@ async def stats(core: CoreDep) -> dict[str, Any]:
         "restore_ms_mean": round(1000 * sum(restore_s) / len(restore_s), 2) if restore_s else None,
         "snapshot_writes": kv.stats.snapshot_writes,
         "snapshot_write_failures": kv.stats.snapshot_write_failures,
+        "snapshot_bytes_written": snaps.bytes_written,
         "snapshots_deleted_for_disk_budget": snaps.num_deleted_for_budget,
         "engine": {"decode_steps": core.worker.num_decode_steps, "decoded_tokens": core.worker.num_decode_tokens,
                    "prefilled_tokens": core.worker.num_prefill_tokens},
