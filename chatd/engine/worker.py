@@ -14,6 +14,7 @@ The event loop hands it work through a queue and gets results back through
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import queue
@@ -132,6 +133,9 @@ class EngineWorker:
 
     def __init__(self, runner: ModelRunner, *, prefill_chunk_tokens: int = 256, max_batch_size: int = 16) -> None:
         self.runner = runner
+        # The event loop encodes with runner.tokenizer while this thread decodes; a fast tokenizer is
+        # one Rust object that must not be borrowed from two threads at once, so decode with a copy.
+        self.tokenizer = copy.deepcopy(runner.tokenizer)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_batch_size = max_batch_size
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -203,7 +207,7 @@ class EngineWorker:
             cache=cache, prefill_ids=list(prefill_ids), params=params,
             max_new_tokens=max_new_tokens if max_new_tokens is not None else params.max_tokens,
             eos_ids=self.runner.info.eos_token_ids, emit=emit,
-            detok=IncrementalDetokenizer(self.runner.tokenizer), stopper=StopMatcher(params.stop),
+            detok=IncrementalDetokenizer(self.tokenizer), stopper=StopMatcher(params.stop),
             started_at=started_at if started_at is not None else time.monotonic(),
             generator=None if params.greedy else make_generator(params),
         )

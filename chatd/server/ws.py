@@ -173,7 +173,6 @@ class Connection:
             for turn in list(self.turns.values()):
                 turn.cancel()  # partial replies are committed by the turns themselves
             watchdog.cancel()
-            self.out.put_nowait(None) if not self.out.full() else None
             writer.cancel()
             for task in list(self.tasks):
                 with contextlib.suppress(BaseException):
