@@ -78,9 +78,13 @@ class Chatd:
         try:
             await self.sessions.shutdown()
             await self.kv.stop()
-            persisted = await self.kv.persist_all()
-            if persisted:
-                log.info("snapshotted %d sessions at shutdown", persisted)
+            if self.worker.failure is None:
+                persisted = await self.kv.persist_all()
+                if persisted:
+                    log.info("snapshotted %d sessions at shutdown", persisted)
+            else:
+                # Its tensors are no longer trusted; stored messages let those sessions recompute.
+                log.warning("the engine thread had died: resident caches were not snapshotted")
         finally:
             self.worker.stop()
             self.snapshots.close()

@@ -117,6 +117,29 @@ async def test_disconnect_mid_reply_saves_the_partial(server: ServerProcess) -> 
         assert detail["messages"][1]["usage"]["output_tokens"] < 3000
 
 
+async def test_tiny_temperature_frame_answers_and_the_engine_keeps_serving(server: ServerProcess) -> None:
+    # The exact frame that used to kill the engine thread for every session (reliability bug 1).
+    ws = await _raw(server)
+    try:
+        await ws.send(json.dumps({"type": "session.create", "id": "c"}))
+        sid = (await _frame(ws))["session"]["session_id"]  # type: ignore[index]
+        await ws.send(json.dumps({"type": "message.send", "id": "1", "session_id": sid, "content": "Hello",
+                                  "params": {"temperature": 1e-40, "max_tokens": 2}}))
+        frame = await _frame(ws)
+        while frame["type"] == "token":
+            frame = await _frame(ws)
+        assert frame["type"] == "message.done", frame
+        assert frame["usage"]["output_tokens"] == 2  # type: ignore[index]
+    finally:
+        await ws.close()
+    async with await ChatClient.connect(server.ws_url) as other:
+        session = await other.create_session()
+        done = await (await other.send(session.session_id, "Still alive?", max_tokens=3)).result()
+        assert isinstance(done, MessageDone) and done.usage.output_tokens == 3
+    async with httpx.AsyncClient(base_url=server.http_url) as http:
+        assert (await http.get("/healthz")).status_code == 200
+
+
 async def test_edit_and_cancel(client: ChatClient) -> None:
     session = await client.create_session()
     await (await client.send(session.session_id, "First question", max_tokens=6)).result()

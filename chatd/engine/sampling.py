@@ -10,6 +10,15 @@ import torch
 from chatd.config import GenerationSettings
 from chatd.protocol import GenerationParams
 
+# Below this a temperature is treated as 0 (greedy). Such a temperature already puts all but ~e^-1000
+# of the probability mass on the best token whenever it leads by 1 logit, so sampling at it is greedy
+# in all but name, and the division by it is where overflow begins.
+MIN_SAMPLING_TEMPERATURE = 1e-3
+
+
+class SamplingError(ValueError):
+    """The logits of one row cannot be sampled (they hold NaN or inf): that row's generation fails."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -30,9 +39,10 @@ class SamplingParams:
     def resolve(cls, params: GenerationParams | None, defaults: GenerationSettings) -> SamplingParams:
         """Request overrides on top of the server's defaults; a missing seed gets a random one."""
         p = params or GenerationParams()
+        temperature = p.temperature if p.temperature is not None else defaults.temperature
         return cls(
             max_tokens=p.max_tokens if p.max_tokens is not None else defaults.max_tokens,
-            temperature=p.temperature if p.temperature is not None else defaults.temperature,
+            temperature=0.0 if temperature < MIN_SAMPLING_TEMPERATURE else temperature,
             top_p=p.top_p if p.top_p is not None else defaults.top_p,
             top_k=p.top_k if p.top_k is not None else defaults.top_k,
             seed=p.seed if p.seed is not None else secrets.randbits(63),
@@ -52,11 +62,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
     Greedy when temperature is 0 (ties go to the lowest id, as torch.argmax does). Otherwise
     temperature scaling, then top-k, then top-p (nucleus, keeping at least one token), then a draw
-    from ``generator``.
+    from ``generator``. Any positive temperature is safe: the scores are shifted so the best one is 0
+    before dividing, so they can only underflow to -inf, never overflow.
+
+    Raises SamplingError when the logits are not all finite; nothing else is changed then.
     """
     if params.greedy:
         return int(torch.argmax(logits).item())
-    scores = logits.float().cpu() / params.temperature  # [vocab] fp32
+    scores = logits.float().cpu()  # [vocab] fp32
+    if not bool(torch.isfinite(scores).all()):
+        raise SamplingError("the model produced non-finite logits")
+    scores = (scores - scores.max()) / params.temperature
     if 0 < params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -143,6 +143,8 @@ class EngineWorker:
         self._prefilling: deque[_Job] = deque()
         self._decoding: deque[_Job] = deque()
         self._prefill_turn = False
+        # Set (once) when the thread ended on an error it could not contain; then every job and call fails.
+        self.failure: BaseException | None = None
         # Counters read by metrics (written only by the worker thread).
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
@@ -162,6 +164,11 @@ class EngineWorker:
         self._inbox.put(_STOP)
         self._thread.join(timeout)
         self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        """True while the thread runs and has not died of an error (False before start and after stop)."""
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
 
     @property
     def num_active(self) -> int:
@@ -186,6 +193,8 @@ class EngineWorker:
             loop.call_soon_threadsafe(settle)
 
         self._inbox.put(_Call(fn, done))
+        if self.failure is not None:
+            self._drain_dead_inbox()
         # Shield: once queued the call runs anyway; a cancelled caller must not lose track of it.
         return await asyncio.shield(future)
 
@@ -212,11 +221,39 @@ class EngineWorker:
             generator=None if params.greedy else make_generator(params),
         )
         self._inbox.put(job)
+        if self.failure is not None:
+            self._drain_dead_inbox()
         return GenerationHandle(job, events, self._wake)
 
     # ------------------------------------------------------------------ worker thread
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            # Per-job errors are contained in _prefill_chunk / _decode_step; reaching here is a bug in
+            # the worker itself. Fail every job and call, now and later, instead of leaving them hanging.
+            log.critical("the engine thread died; every generation fails from now on", exc_info=exc)
+            self.failure = exc
+            for job in [*self._prefilling, *self._decoding]:
+                job.emit(GenerationFailed(Internal("the engine stopped")))
+            self._prefilling.clear()
+            self._decoding.clear()
+            self._drain_dead_inbox()
+
+    def _drain_dead_inbox(self) -> None:
+        """Fail everything queued to a dead worker (safe from any thread; each item is taken once)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Job):
+                item.emit(GenerationFailed(Internal("the engine stopped")))
+            elif isinstance(item, _Call):
+                item.done(None, Internal("the engine stopped"))
+
+    def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
             busy = bool(self._prefilling or self._decoding)
@@ -286,7 +323,7 @@ class EngineWorker:
             return len(chunk)
         self._prefilling.remove(job)
         job.prefill_done_at = time.monotonic()
-        if self._accept(job, sample(logits, job.params, job.generator)):
+        if self._sample_and_accept(job, logits):
             self._decoding.append(job)
         return len(chunk)
 
@@ -307,8 +344,17 @@ class EngineWorker:
         self.num_decode_tokens += len(batch)
         for row, job in enumerate(batch):
             job.pending = None
-            if not self._accept(job, sample(logits[row], job.params, job.generator)):
+            if not self._sample_and_accept(job, logits[row]):
                 self._decoding.remove(job)
+
+    def _sample_and_accept(self, job: _Job, logits: torch.Tensor) -> bool:
+        """Sample ``job``'s next token from its ``logits`` ``[vocab]`` and record it; return False when the
+        job finished. An error here (bad logits, a detokenizer failure) fails this job alone."""
+        try:
+            return self._accept(job, sample(logits, job.params, job.generator))
+        except Exception as exc:
+            self._fail(job, exc)
+            return False
 
     def _accept(self, job: _Job, token_id: int) -> bool:
         """Record a sampled token; return False when the job finished."""

@@ -87,9 +87,12 @@ def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> Fast
         return _error("internal", "internal error", 500)
 
     @app.get("/healthz", tags=["ops"])
-    async def healthz(request: Request) -> dict[str, object]:
+    async def healthz(request: Request) -> JSONResponse:
+        """200 while the engine thread runs; 503 once it has died (no generation can succeed then)."""
         core: Chatd = request.app.state.core
-        return {"status": "ok", "model": core.runner.info.name, "version": __version__}
+        ok = core.worker.alive
+        body = {"status": "ok" if ok else "engine_stopped", "model": core.runner.info.name, "version": __version__}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", tags=["ops"])
     async def metrics(request: Request) -> Response:

@@ -1,0 +1,118 @@
+"""One job's failure stays that job's: the engine thread keeps serving every other session.
+
+Reliability issue, bug 1: a temperature of 1e-40 made fp32 logits overflow in ``sample()``, the error
+escaped the engine thread, and no session got a reply again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from chatd.config import GenerationSettings
+from chatd.core import Chatd
+from chatd.engine import worker as worker_module
+from chatd.engine.sampling import SamplingError, SamplingParams, make_generator, sample
+from chatd.errors import ChatdError, Internal
+from chatd.protocol import GenerationParams
+from chatd.server.app import create_app
+from chatd.sessions import TurnResult
+
+
+def test_tiny_temperatures_resolve_to_greedy() -> None:
+    defaults = GenerationSettings(max_tokens=8, temperature=0.7, top_p=1.0, top_k=0)
+    for tiny in (1e-40, 1e-10, 9.9e-4):
+        assert SamplingParams.resolve(GenerationParams(temperature=tiny), defaults).greedy
+    assert not SamplingParams.resolve(GenerationParams(temperature=1e-3), defaults).greedy
+
+
+def test_sampling_at_any_positive_temperature_never_overflows() -> None:
+    logits = torch.tensor([10.0, 80.0, 79.5, -30.0])
+    for temperature in (1e-40, 1e-6, 1e-3, 5.0):
+        params = SamplingParams(max_tokens=1, temperature=temperature, top_p=0.9, top_k=3, seed=5)
+        token = sample(logits, params, make_generator(params))
+        assert token in (1, 2)
+        if temperature < 1e-3:
+            assert token == 1
+
+
+def test_non_finite_logits_raise_a_sampling_error() -> None:
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=1)
+    with pytest.raises(SamplingError):
+        sample(torch.tensor([0.0, float("nan"), 1.0]), params, make_generator(params))
+
+
+async def test_tiny_temperature_turn_completes_and_others_keep_streaming(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    a, b = await svc.create(), await svc.create()
+    long_turn = svc.send(b.session_id, "Count slowly.", GenerationParams(temperature=0, max_tokens=40))
+    tiny = await svc.send(a.session_id, "Hello", GenerationParams(temperature=1e-40, max_tokens=2)).wait()
+    assert isinstance(tiny, TurnResult) and tiny.usage.output_tokens == 2
+    other = await long_turn.wait()
+    assert isinstance(other, TurnResult) and other.usage.output_tokens == 40
+    assert tiny_core.worker.alive
+
+
+async def test_a_failing_row_fails_only_its_own_turn(tiny_core: Chatd, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_sample = worker_module.sample
+
+    def faulty(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+        if params.seed == 13 and params.max_tokens == 30:
+            raise SamplingError("injected")
+        return real_sample(logits, params, generator)
+
+    monkeypatch.setattr(worker_module, "sample", faulty)
+    svc = tiny_core.sessions
+    good_info, bad_info = await svc.create(), await svc.create()
+    good = svc.send(good_info.session_id, "Keep going.", GenerationParams(temperature=0, max_tokens=30))
+    bad = svc.send(bad_info.session_id, "Fail me.", GenerationParams(temperature=1.0, seed=13, max_tokens=30))
+    with pytest.raises(ChatdError) as failure:
+        await bad.wait()
+    assert failure.value.code == "internal"
+    result = await good.wait()
+    assert isinstance(result, TurnResult) and result.usage.output_tokens == 30
+    # The failed session is usable again.
+    again = await svc.send(bad_info.session_id, "Again.", GenerationParams(temperature=0, max_tokens=3)).wait()
+    assert isinstance(again, TurnResult)
+
+
+async def test_a_dead_engine_fails_everything_promptly(tiny_core: Chatd) -> None:
+    worker = tiny_core.worker
+
+    def broken_step() -> None:
+        raise RuntimeError("injected worker bug")
+
+    worker._step = broken_step  # type: ignore[method-assign]
+    svc = tiny_core.sessions
+    info = await svc.create()
+    with pytest.raises(ChatdError):
+        await asyncio.wait_for(svc.send(info.session_id, "Hi", GenerationParams(max_tokens=3)).wait(), 30)
+    assert not worker.alive and isinstance(worker.failure, RuntimeError)
+    with pytest.raises(Internal):
+        await asyncio.wait_for(worker.call(lambda: 1), 5)
+    # A new turn after the death fails at once instead of hanging.
+    with pytest.raises(ChatdError):
+        await asyncio.wait_for(svc.send(info.session_id, "Hi", GenerationParams(max_tokens=3)).wait(), 5)
+    # tiny_core's exit (shutdown) must complete too: the fixture's teardown checks it.
+
+
+def test_healthz_reports_a_dead_engine(make_settings, tiny_dir, tiny_runner) -> None:  # type: ignore[no-untyped-def]
+    app = create_app(make_settings(tiny_dir), runner=tiny_runner)
+    with TestClient(app) as http:
+        assert http.get("/healthz").status_code == 200
+        core: Chatd = app.state.core
+
+        def broken_step() -> None:
+            raise RuntimeError("injected worker bug")
+
+        core.worker._step = broken_step  # type: ignore[method-assign]
+        core.worker._wake()
+        for _ in range(100):
+            if not core.worker.alive:
+                break
+            http.portal.call(asyncio.sleep, 0.05)  # type: ignore[union-attr]
+        health = http.get("/healthz")
+        assert health.status_code == 503 and health.json()["status"] == "engine_stopped"
