@@ -14,13 +14,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from chatd.domain import SESSION_ID_PATTERN, FinishReason, Role, Tier
 from chatd.errors import BadRequest, TooLarge, UnknownType
 
 PROTOCOL_VERSION = 1
 
-Tier = Literal["device", "host", "disk", "none"]
-Role = Literal["system", "user", "assistant"]
-FinishReason = Literal["stop", "length", "cancelled"]
+SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]
+"""A session id as the domain module defines it; anything else is a bad_request."""
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRINGS = 8
@@ -96,19 +96,19 @@ class SessionCreate(_ClientFrame):
 
 class SessionResume(_ClientFrame):
     type: Literal["session.resume"] = "session.resume"
-    session_id: str = Field(min_length=1, max_length=128)
+    session_id: SessionId
 
 
 class MessageSend(_ClientFrame):
     type: Literal["message.send"] = "message.send"
-    session_id: str = Field(min_length=1, max_length=128)
+    session_id: SessionId
     content: str
     params: GenerationParams | None = None
 
 
 class MessageEdit(_ClientFrame):
     type: Literal["message.edit"] = "message.edit"
-    session_id: str = Field(min_length=1, max_length=128)
+    session_id: SessionId
     index: int = Field(ge=0)
     content: str
     params: GenerationParams | None = None
@@ -116,7 +116,7 @@ class MessageEdit(_ClientFrame):
 
 class GenerationCancel(_ClientFrame):
     type: Literal["generation.cancel"] = "generation.cancel"
-    session_id: str = Field(min_length=1, max_length=128)
+    session_id: SessionId
 
 
 class Ping(_ClientFrame):

@@ -15,30 +15,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
+from chatd.domain import FinishReason, Tier, new_session_id
 from chatd.engine.runner import ModelInfo
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.worker import EngineWorker, GenerationFailed, GenerationHandle, GenerationResult, TextPiece
 from chatd.errors import BadRequest, Busy, ChatdError, ContextLengthExceeded, Internal, NotFound, TooLarge
 from chatd.kv.manager import KVManager, Lease, common_prefix_len
-from chatd.protocol import GenerationParams, Message, SessionInfo, Tier, Usage
+from chatd.protocol import GenerationParams, Message, SessionInfo, Usage
 from chatd.store.repo import MessageRecord, Repo, SessionRecord
 
 log = logging.getLogger(__name__)
 
 TITLE_CHARS = 60
-
-
-def new_session_id() -> str:
-    """144 random bits, URL-safe: session ids are capabilities."""
-    return secrets.token_urlsafe(18)
 
 
 def to_message(record: MessageRecord, *, with_usage: bool = False) -> Message:
@@ -56,7 +51,7 @@ class TurnResult:
     session_id: str
     user_message: Message
     assistant_message: Message
-    finish_reason: Literal["stop", "length", "cancelled"]
+    finish_reason: FinishReason
     usage: Usage
 
 

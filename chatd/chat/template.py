@@ -17,10 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from chatd.domain import ROLES
 from chatd.errors import ConfigError
 
 _SENTINEL = "CHATDSENTINEL7f3a"
-_ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ChatTemplate:
         self._later: dict[str, Frame] = {}
         anchor = [{"role": "system", "content": "x"}]
         anchor_text = self._render(anchor)
-        for role in _ROLES:
+        for role in ROLES:
             self._first[role] = self._frame(self._render([{"role": role, "content": _SENTINEL}]))
             later = self._render([*anchor, {"role": role, "content": _SENTINEL}])
             if not later.startswith(anchor_text):
@@ -80,7 +80,7 @@ class ChatTemplate:
         return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids)
 
     def frame(self, role: str, index: int) -> Frame:
-        if role not in _ROLES:
+        if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         return (self._first if index == 0 else self._later)[role]
 

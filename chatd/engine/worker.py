@@ -23,11 +23,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from chatd.chat.stream import IncrementalDetokenizer, StopMatcher
+from chatd.domain import FinishReason
 from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelRunner
 from chatd.engine.sampling import SamplingParams, make_generator, sample
@@ -35,9 +36,6 @@ from chatd.errors import Internal
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-FinishReason = Literal["stop", "length", "cancelled"]
-
 
 @dataclass(frozen=True)
 class TextPiece:

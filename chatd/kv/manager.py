@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from chatd.config import CacheSettings
+from chatd.domain import Tier
 from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelInfo
 from chatd.engine.worker import EngineWorker
 from chatd.errors import ContextLengthExceeded, SnapshotError
 from chatd.kv import policy
-from chatd.protocol import Tier
 
 if TYPE_CHECKING:
     from chatd.kv.persistence import SnapshotService

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import builtins
 import os
-import re
 import tempfile
 from collections.abc import Callable, Collection
 from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO
 
+from chatd.domain import is_session_id
+
 SNAPSHOT_SUFFIX = ".kvsnap"
 TEMP_PREFIX = "."
 TEMP_SUFFIX = ".tmp"
-_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{16,128}")
 _WRITE_BUFFER = 1 << 20  # the codec writes slab-sized frames; 1 MiB keeps syscalls few
 
 
@@ -59,7 +59,7 @@ class SnapshotStore:
 
     def path_for(self, session_id: str) -> Path:
         """Final path of a session's snapshot. ValueError unless the id is 16..128 chars of [A-Za-z0-9_-]."""
-        if not isinstance(session_id, str) or _SESSION_ID.fullmatch(session_id) is None:
+        if not isinstance(session_id, str) or not is_session_id(session_id):
             raise ValueError(f"invalid session id {session_id!r}")
         return self._folder / f"{session_id}{SNAPSHOT_SUFFIX}"
 
@@ -128,7 +128,7 @@ class SnapshotStore:
             if not name.endswith(SNAPSHOT_SUFFIX):
                 continue
             session_id = name[: -len(SNAPSHOT_SUFFIX)]
-            if _SESSION_ID.fullmatch(session_id) is None:
+            if not is_session_id(session_id):
                 continue
             try:
                 if entry.is_file(follow_symlinks=False):

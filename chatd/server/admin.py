@@ -10,8 +10,9 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel
 
 from chatd.core import Chatd
+from chatd.domain import Tier
 from chatd.errors import NotFound, Unauthorized
-from chatd.protocol import Message, SessionInfo, Tier
+from chatd.protocol import Message, SessionInfo
 from chatd.sessions import to_message
 from chatd.store.repo import SessionRecord
 

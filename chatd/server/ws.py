@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from chatd import __version__
+from chatd.domain import CLOSE_IDLE, CLOSE_TOO_SLOW, CLOSE_UNAUTHORIZED, KEY_SUBPROTOCOL_PREFIX, SUBPROTOCOL
 from chatd.errors import ChatdError, RateLimited, Unauthorized
 from chatd.protocol import (
     ErrorFrame,
@@ -51,11 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SUBPROTOCOL = "chatd.v1"
-KEY_SUBPROTOCOL_PREFIX = "chatd.key."
-CLOSE_UNAUTHORIZED = 4401
-CLOSE_TOO_SLOW = 4408
-CLOSE_IDLE = 4000
 
 
 def origin_allowed(origin: str | None, host: str | None, allowed: list[str]) -> bool:

@@ -41,6 +41,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from chatd.domain import FINISH_REASONS, ROLES, SESSION_ID_MAX_CHARS
+
 # Deterministic constraint names, so a later migration can drop or alter them by name on every
 # backend (SQLite and PostgreSQL otherwise invent different ones).
 NAMING_CONVENTION: dict[str, str] = {
@@ -51,9 +53,6 @@ NAMING_CONVENTION: dict[str, str] = {
     "pk": "pk_%(table_name)s",
 }
 
-SESSION_ID_MAX_CHARS = 64
-ROLES = ("system", "user", "assistant")
-FINISH_REASONS = ("stop", "length", "cancelled")
 
 # The partial index's predicate; shared by both dialects' ``*_where`` options.
 _ACTIVE = text("archived_by_edit IS NULL")

@@ -1,0 +1,46 @@
+"""The words every layer shares: tiers, roles, finish reasons, the session-id format and the wire's
+transport constants. Pure definitions: no I/O, and nothing of chatd is imported here, so the engine,
+the KV layer, the store and the protocol can all depend on this module without depending on each other.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Final, Literal, get_args
+
+Tier = Literal["device", "host", "disk", "none"]
+"""Where a session's KV cache is: resident on the model's device, in host memory, in a snapshot on disk,
+or nowhere (its next turn recomputes)."""
+TIERS: Final[tuple[Tier, ...]] = get_args(Tier)
+
+Role = Literal["system", "user", "assistant"]
+ROLES: Final[tuple[Role, ...]] = get_args(Role)
+
+FinishReason = Literal["stop", "length", "cancelled"]
+FINISH_REASONS: Final[tuple[FinishReason, ...]] = get_args(FinishReason)
+
+# Session ids are capabilities: new ones carry 144 random bits (24 URL-safe characters). The accepted
+# format is a little wider so ids made elsewhere (imports, tests) fit, but never wider than the store's column.
+SESSION_ID_MIN_CHARS: Final = 16
+SESSION_ID_MAX_CHARS: Final = 64
+SESSION_ID_PATTERN: Final = rf"^[A-Za-z0-9_-]{{{SESSION_ID_MIN_CHARS},{SESSION_ID_MAX_CHARS}}}$"
+_SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
+
+
+def new_session_id() -> str:
+    """144 random bits, URL-safe."""
+    return secrets.token_urlsafe(18)
+
+
+def is_session_id(text: str) -> bool:
+    """True when ``text`` has the session-id format (it may still name no session)."""
+    return _SESSION_ID_RE.fullmatch(text) is not None
+
+
+# Websocket transport constants (docs/protocol.md). The browser UI receives them in the hello frame.
+SUBPROTOCOL: Final = "chatd.v1"
+KEY_SUBPROTOCOL_PREFIX: Final = "chatd.key."
+CLOSE_IDLE: Final = 4000
+CLOSE_UNAUTHORIZED: Final = 4401
+CLOSE_TOO_SLOW: Final = 4408
