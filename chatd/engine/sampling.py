@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from chatd.config import GenerationSettings
-from chatd.protocol import GenerationParams
 
 # Below this a temperature is treated as 0 (greedy). Such a temperature already puts all but ~e^-1000
 # of the probability mass on the best token whenever it leads by 1 logit, so sampling at it is greedy
@@ -18,6 +19,23 @@ MIN_SAMPLING_TEMPERATURE = 1e-3
 
 class SamplingError(ValueError):
     """The logits of one row cannot be sampled (they hold NaN or inf): that row's generation fails."""
+
+
+class Overrides(Protocol):
+    """A request's optional sampling fields (the wire's GenerationParams has this shape); None = default."""
+
+    @property
+    def max_tokens(self) -> int | None: ...
+    @property
+    def temperature(self) -> float | None: ...
+    @property
+    def top_p(self) -> float | None: ...
+    @property
+    def top_k(self) -> int | None: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def stop(self) -> Sequence[str]: ...
 
 
 @dataclass(frozen=True)
@@ -36,17 +54,20 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
-    def resolve(cls, params: GenerationParams | None, defaults: GenerationSettings) -> SamplingParams:
-        """Request overrides on top of the server's defaults; a missing seed gets a random one."""
-        p = params or GenerationParams()
-        temperature = p.temperature if p.temperature is not None else defaults.temperature
+    def resolve(cls, p: Overrides | None, defaults: GenerationSettings) -> SamplingParams:
+        """Request overrides on top of the server's defaults; a missing seed gets a random one, and a
+        temperature below MIN_SAMPLING_TEMPERATURE becomes 0 (greedy)."""
+        def pick(value: float | None, default: float) -> float:
+            return default if value is None else value
+
+        temperature = pick(p.temperature if p else None, defaults.temperature)
         return cls(
-            max_tokens=p.max_tokens if p.max_tokens is not None else defaults.max_tokens,
+            max_tokens=int(pick(p.max_tokens if p else None, defaults.max_tokens)),
             temperature=0.0 if temperature < MIN_SAMPLING_TEMPERATURE else temperature,
-            top_p=p.top_p if p.top_p is not None else defaults.top_p,
-            top_k=p.top_k if p.top_k is not None else defaults.top_k,
-            seed=p.seed if p.seed is not None else secrets.randbits(63),
-            stop=tuple(p.stop),
+            top_p=pick(p.top_p if p else None, defaults.top_p),
+            top_k=int(pick(p.top_k if p else None, defaults.top_k)),
+            seed=p.seed if p is not None and p.seed is not None else secrets.randbits(63),
+            stop=tuple(p.stop) if p else (),
         )
 
 

@@ -1,0 +1,283 @@
+"""Turns: a user message in, a generated reply out, both committed to the store.
+
+A :class:`Turn` is the handle a caller streams from; it owns its event queue, and only its own
+methods (:meth:`Turn.push`, :meth:`Turn.finish`, :meth:`Turn.fail`) put events in it. A
+:class:`TurnRunner` carries a turn out: it validates, commits the user message before any
+generation starts, leases the session's cache from the KV manager, streams the engine's pieces into
+the turn, and commits the reply when generation ends, also when it was cancelled or the reader went
+away, so a crash loses nothing that was acknowledged.
+
+Claiming a session (one change at a time) is the session service's business, not this module's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from chatd.chat.template import ChatTemplate
+from chatd.config import Settings
+from chatd.domain import FinishReason
+from chatd.engine.runner import ModelInfo
+from chatd.engine.sampling import SamplingParams
+from chatd.engine.worker import EngineWorker, GenerationFailed, GenerationHandle, GenerationResult, TextPiece
+from chatd.errors import BadRequest, ContextLengthExceeded, NotFound, TooLarge
+from chatd.kv.manager import KVManager, Lease, common_prefix_len
+from chatd.protocol import GenerationParams, Message, Usage
+from chatd.store.repo import MessageRecord, Repo, SessionRecord
+
+log = logging.getLogger(__name__)
+
+TITLE_CHARS = 60
+
+
+def to_message(record: MessageRecord, *, with_usage: bool = False) -> Message:
+    """The wire form of a stored message; ``with_usage`` adds an assistant reply's finish reason and usage."""
+    message = Message(index=record.index, role=record.role, content=record.content,  # type: ignore[arg-type]
+                      created_at=record.created_at)
+    if with_usage and record.role == "assistant":
+        message.finish_reason = record.finish_reason  # type: ignore[assignment]
+        message.usage = Usage.model_validate(record.usage) if record.usage else None
+    return message
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    session_id: str
+    user_message: Message
+    assistant_message: Message
+    finish_reason: FinishReason
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class EditResult:
+    """An edit of a system or assistant message: nothing is generated."""
+
+    session_id: str
+    message: Message
+    invalidated_from: int
+
+
+class Turn:
+    """A change of one session in progress. Iterate :meth:`stream` for text; :attr:`result` is set at the end.
+
+    Events arrive in order: text pieces, then exactly one of a result (:meth:`finish`) or an error
+    (:meth:`fail`). :meth:`cancel` is safe at any time, from any task, before or after generation starts.
+    """
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.result: TurnResult | EditResult | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._events: asyncio.Queue[str | TurnResult | EditResult | BaseException] = asyncio.Queue()
+        self._generation: GenerationHandle | None = None
+        self._cancelled = False
+        self._ended = False
+
+    # ------------------------------------------------------------------ producer side (TurnRunner)
+
+    def push(self, text: str) -> None:
+        """Deliver a piece of generated text to the reader."""
+        if not self._ended:
+            self._events.put_nowait(text)
+
+    def finish(self, result: TurnResult | EditResult) -> None:
+        """End the turn with its result; later events are ignored."""
+        if not self._ended:
+            self._ended = True
+            self._events.put_nowait(result)
+
+    def fail(self, error: BaseException) -> None:
+        """End the turn with an error (the reader's :meth:`stream` raises it); later events are ignored."""
+        if not self._ended:
+            self._ended = True
+            self._events.put_nowait(error)
+
+    def attach(self, generation: GenerationHandle) -> None:
+        """The engine generation producing this turn's text; a cancel requested earlier reaches it now."""
+        self._generation = generation
+        if self._cancelled:
+            generation.cancel()
+
+    # ------------------------------------------------------------------ reader side
+
+    def cancel(self) -> None:
+        """Stop generating; the partial reply is kept with finish_reason "cancelled"."""
+        self._cancelled = True
+        if self._generation is not None:
+            self._generation.cancel()
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancelled
+
+    async def stream(self) -> AsyncIterator[str]:
+        """Text pieces as generated. Raises the turn's error (a ChatdError) if it failed."""
+        while True:
+            event = await self._events.get()
+            if isinstance(event, str):
+                yield event
+            elif isinstance(event, (TurnResult, EditResult)):
+                self.result = event
+                return
+            else:
+                raise event
+
+    async def wait(self) -> TurnResult | EditResult:
+        """Drain the stream and return the result."""
+        async for _ in self.stream():
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class TurnRunner:
+    """Carries out ``send`` and ``edit`` turns for sessions the caller has already claimed."""
+
+    def __init__(self, settings: Settings, repo: Repo, template: ChatTemplate, info: ModelInfo,
+                 worker: EngineWorker, kv: KVManager) -> None:
+        self.settings = settings
+        self.repo = repo
+        self.template = template
+        self.info = info
+        self.worker = worker
+        self.kv = kv
+        self.on_turn: list[Callable[[TurnResult], None]] = []
+        self.num_turns = 0
+        self.num_cached_tokens = 0
+        self.num_prefill_tokens = 0
+
+    async def _require(self, session_id: str) -> SessionRecord:
+        record = await self.repo.get_session(session_id)
+        if record is None:
+            raise NotFound("no such session")
+        return record
+
+    def check_content(self, content: str) -> None:
+        if not content.strip():
+            raise BadRequest("message content must not be empty")
+        if len(content) > self.settings.server.max_message_chars:
+            raise TooLarge(
+                f"message of {len(content)} characters exceeds the limit of {self.settings.server.max_message_chars}")
+
+    def _resolve(self, params: GenerationParams | None, prompt_len: int) -> SamplingParams:
+        """Resolve sampling params; refuse before any work when the reply cannot fit the context."""
+        resolved = SamplingParams.resolve(params, self.settings.generation)
+        room = self.info.max_context - prompt_len
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the conversation has {prompt_len} tokens; the model's context holds {self.info.max_context}")
+        explicit = params is not None and params.max_tokens is not None
+        if resolved.max_tokens > room:
+            if explicit:
+                raise ContextLengthExceeded(
+                    f"{prompt_len} prompt tokens + max_tokens {resolved.max_tokens} exceed the model's context "
+                    f"of {self.info.max_context} tokens")
+            resolved = SamplingParams(room, resolved.temperature, resolved.top_p, resolved.top_k,
+                                      resolved.seed, resolved.stop)
+        self.kv.check_fits(prompt_len + resolved.max_tokens)
+        return resolved
+
+    async def send(self, turn: Turn, content: str, params: GenerationParams | None) -> None:
+        """Append a user message and generate the reply."""
+        started = time.monotonic()
+        self.check_content(content)
+        record = await self._require(turn.session_id)
+        messages = await self.repo.get_messages(turn.session_id)
+        user_ids = self.template.message_ids("user", content, len(messages))
+        prompt = self.template.prompt_ids([*(m.token_ids for m in messages), user_ids])
+        resolved = self._resolve(params, len(prompt))
+        user = await self.repo.append_message(turn.session_id, "user", content, user_ids)
+        if not record.title:
+            await self.repo.set_title(turn.session_id, " ".join(content.split())[:TITLE_CHARS])
+        await self._generate(turn, user, prompt, resolved, started, invalidated_from=None)
+
+    async def edit(self, turn: Turn, index: int, content: str, params: GenerationParams | None) -> None:
+        """Replace message ``index``, drop the later ones (kept as edit history) and, for a user message,
+        generate a new reply. The cache stays valid up to the first token that changed."""
+        started = time.monotonic()
+        self.check_content(content)
+        await self._require(turn.session_id)
+        messages = await self.repo.get_messages(turn.session_id)
+        if not 0 <= index < len(messages):
+            raise BadRequest(f"message index {index} out of range (the session has {len(messages)} messages)")
+        role = messages[index].role
+        new_ids = self.template.message_ids(role, content, index)
+        old_ids = self.template.conversation_ids(m.token_ids for m in messages)
+        kept = self.template.conversation_ids(m.token_ids for m in messages[:index])
+        invalidated_from = common_prefix_len(old_ids, [*kept, *new_ids])
+        if role != "user":
+            if len(kept) + len(new_ids) >= self.info.max_context:
+                raise ContextLengthExceeded("the edited conversation does not fit the model's context")
+            edited, _ = await self.repo.replace_from(turn.session_id, index, role, content, new_ids)
+            turn.finish(EditResult(turn.session_id, to_message(edited), invalidated_from))
+            return
+        prompt = [*kept, *new_ids, *self.template.generation_prompt_ids]
+        resolved = self._resolve(params, len(prompt))
+        user, _ = await self.repo.replace_from(turn.session_id, index, role, content, new_ids)
+        await self._generate(turn, user, prompt, resolved, started, invalidated_from=invalidated_from)
+
+    async def _generate(self, turn: Turn, user: MessageRecord, prompt: list[int], params: SamplingParams,
+                        started: float, *, invalidated_from: int | None) -> None:
+        lease = await self.kv.acquire(turn.session_id, prompt, params.max_tokens)
+        result: GenerationResult | None = None
+        try:
+            if not turn.cancel_requested:
+                handle = self.worker.generate(lease.cache, lease.prefill_ids, params,
+                                              max_new_tokens=params.max_tokens, started_at=started)
+                turn.attach(handle)
+                async for event in handle.events():
+                    if isinstance(event, TextPiece):
+                        turn.push(event.text)
+                    elif isinstance(event, GenerationFailed):
+                        raise event.error
+                    else:
+                        result = event
+        except BaseException:
+            self.kv.release(lease, ok=False)
+            raise
+        self.kv.release(lease, generated_ids=result.generated_ids if result else ())
+        if result is not None and self.kv.snapshots is not None:
+            self.kv.snapshots.observe_prefill(len(lease.prefill_ids), result.prefill_s)
+        await self._commit_reply(turn, user, prompt, lease, result, started, invalidated_from)
+
+    async def _commit_reply(self, turn: Turn, user: MessageRecord, prompt: list[int], lease: Lease,
+                            result: GenerationResult | None, started: float, invalidated_from: int | None) -> None:
+        index = user.index + 1
+        content_ids: tuple[int, ...]
+        generated: tuple[int, ...]
+        reason: FinishReason
+        if result is None:  # cancelled before the first forward pass
+            text, content_ids, generated, reason = "", (), (), "cancelled"
+            first_token_at, tps = None, 0.0
+        else:
+            text, generated, reason = result.text, result.generated_ids, result.finish_reason
+            content_ids = result.content_ids
+            if result.stopped_by_string:
+                # The ids ran past the stop string; store ids that match the text kept.
+                content_ids = tuple(self.template.encode_content(text))
+            first_token_at, tps = result.first_token_at, result.decode_tokens_per_s
+        ids = self.template.assistant_ids(content_ids, index)
+        usage = Usage(
+            input_tokens=len(prompt), cached_tokens=lease.num_cached, cache_tier=lease.tier,
+            prefill_tokens=len(prompt) - lease.num_cached, output_tokens=len(generated),
+            invalidated_from=invalidated_from, restore_ms=lease.restore_ms,
+            ttft_ms=round(((first_token_at or time.monotonic()) - started) * 1000, 2),
+            decode_tokens_per_s=round(tps, 2),
+        )
+        assistant = await self.repo.append_message(turn.session_id, "assistant", text, ids,
+                                                   finish_reason=reason, usage=usage.model_dump())
+        self.num_turns += 1
+        self.num_cached_tokens += usage.cached_tokens
+        self.num_prefill_tokens += usage.prefill_tokens
+        done = TurnResult(turn.session_id, to_message(user), to_message(assistant), reason, usage)
+        for hook in self.on_turn:
+            try:
+                hook(done)
+            except Exception:
+                log.exception("turn hook failed")
+        turn.finish(done)
