@@ -177,7 +177,7 @@ class Bench:
     """Called after each figure (the suite writes partial results there)."""
 
     def model_dir(self) -> Path:
-        from tests.support import packaged_model_dir
+        from chatd.dev import packaged_model_dir
 
         return packaged_model_dir()
 

@@ -24,7 +24,7 @@ import torch
 from benchmarks.common import ROOT, Bench, Column, Figure, median, percentile, proc_status_bytes, ratio
 from chatd.chat.template import ChatTemplate
 from chatd.client.client import ChatClient
-from tests.support import ServerProcess
+from chatd.dev import ServerProcess
 
 if TYPE_CHECKING:
     from chatd.engine.runner import ModelRunner
@@ -148,8 +148,8 @@ _RESULT = "DIRECT-RESULT "
 
 def _direct_worker(args: argparse.Namespace) -> int:
     from chatd.config import ModelSettings
+    from chatd.dev import packaged_model_dir
     from chatd.engine.runner import ModelRunner
-    from tests.support import packaged_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)

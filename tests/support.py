@@ -1,62 +1,17 @@
-"""Helpers shared by tests and benchmarks: model folders and a from-scratch reference decoder."""
+"""Test-only helpers: a from-scratch reference decoder. Model folders and the server process come from
+chatd.dev, which the benchmarks share."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
 
-import httpx
-import tomli_w
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from chatd.engine.runner import convert_packaged_model
+from chatd.dev import CACHE_DIR, ROOT, ServerProcess, free_port, packaged_model_dir, tiny_model_dir
 
-ROOT = Path(__file__).resolve().parent.parent
-CACHE_DIR = Path(os.environ.get("CHATD_TEST_CACHE", ROOT / ".cache"))
-TINY_VERSION = 1
-
-
-def packaged_model_dir() -> Path:
-    """The packaged SmolLM2 converted to safetensors once per machine (kept in .cache/)."""
-    return convert_packaged_model(CACHE_DIR / "data")
-
-
-def tiny_model_dir() -> Path:
-    """A 2-layer random-init llama with SmolLM2's real tokenizer and chat template (fast tests)."""
-    target = CACHE_DIR / f"tiny-llama-v{TINY_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    real = packaged_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(real)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(1234)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        # Wider logits than the default init, so sampled text varies and EOS is rare.
-        model.lm_head.weight.normal_(0, 0.5)
-    tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+__all__ = ["CACHE_DIR", "ROOT", "ServerProcess", "free_port", "packaged_model_dir", "reference_greedy",
+           "tiny_model_dir"]
 
 
 @torch.inference_mode()
@@ -72,82 +27,3 @@ def reference_greedy(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_
         if token in eos_ids or len(generated) >= max_new_tokens:
             return generated
         out = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
-
-
-# ----------------------------------------------------------------------------- real server processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """``chatd serve`` in a child process on a loopback port, with its own config file and data folder.
-
-    ``start()`` waits until /healthz answers; ``kill()`` sends SIGKILL (a crash), ``stop()`` SIGTERM (a
-    graceful shutdown). The same folder can be started again to test restarts.
-    """
-
-    def __init__(self, folder: Path, model_dir: Path, **sections: dict[str, object]) -> None:
-        self.folder = folder
-        self.port = free_port()
-        self.admin_token = "test-admin-token"
-        settings: dict[str, object] = {"data_dir": str(folder / "data"), "log_level": "info"}
-        settings["model"] = {"source": str(model_dir), "threads": 1, **sections.pop("model", {})}
-        settings["server"] = {"host": "127.0.0.1", "port": self.port, "admin_token": self.admin_token,
-                              **sections.pop("server", {})}
-        settings["cache"] = {"persist_idle_s": 0, "idle_evict_s": 0, **sections.pop("cache", {})}
-        settings.update(sections)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.config_path = folder / "config.toml"
-        self.config_path.write_text(tomli_w.dumps(settings))
-        self.log_path = folder / "server.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws"
-
-    @property
-    def admin_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.admin_token}"}
-
-    def start(self, timeout: float = 180.0) -> ServerProcess:
-        log = self.log_path.open("ab")
-        self.process = process = subprocess.Popen(
-            [sys.executable, "-m", "chatd", "serve", "--config", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"chatd serve exited early:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.http_url}/healthz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"chatd serve did not become healthy:\n{self.log_path.read_text()[-3000:]}")
-
-    def kill(self) -> None:
-        """SIGKILL: the process gets no chance to clean up."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(30)
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM and wait: graceful shutdown. Returns the exit code."""
-        if self.process is None or self.process.poll() is not None:
-            return 0
-        self.process.send_signal(signal.SIGTERM)
-        return int(self.process.wait(timeout))
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
