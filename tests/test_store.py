@@ -42,6 +42,11 @@ INSTALL_HINT = (
 )
 
 
+def sess(name: str) -> str:
+    """A valid session id (16 characters) that reads like ``name``."""
+    return name.ljust(16, "_")
+
+
 # -- a throwaway PostgreSQL cluster -------------------------------------------------------------
 
 
@@ -194,15 +199,15 @@ def test_token_ids_are_little_endian_uint32() -> None:
 
 
 async def test_create_and_get(repo: Repo) -> None:
-    created = await repo.create_session("s1", "first")
+    created = await repo.create_session(sess("s1"), "first")
     summary = (created.session_id, created.title, created.message_count, created.token_count)
-    assert summary == ("s1", "first", 0, 0)
+    assert summary == (sess("s1"), "first", 0, 0)
     assert created.created_at.tzinfo is UTC and created.created_at == created.updated_at
-    assert await repo.get_session("s1") == created
+    assert await repo.get_session(sess("s1")) == created
     assert await repo.get_session("nope") is None
     with pytest.raises(BadRequest):
-        await repo.create_session("s1", "again")
-    for bad_id in ("", "x" * 65):
+        await repo.create_session(sess("s1"), "again")
+    for bad_id in ("", "short", "x" * 65, "x" * 20 + "/"):
         with pytest.raises(BadRequest):
             await repo.create_session(bad_id, "t")
     assert await repo.create_session("x" * 64, "longest") is not None
@@ -210,34 +215,34 @@ async def test_create_and_get(repo: Repo) -> None:
 
 async def test_list_paginate_filter_count(repo: Repo) -> None:
     for i in range(5):
-        await repo.create_session(f"s{i}", f"title {i}")
+        await repo.create_session(sess(f"s{i}"), f"title {i}")
     listed = await repo.list_sessions()
-    assert [s.session_id for s in listed] == ["s4", "s3", "s2", "s1", "s0"]
-    await repo.append_message("s0", "user", "hi", [1])  # activity moves s0 to the front
-    assert [s.session_id for s in await repo.list_sessions(limit=2)] == ["s0", "s4"]
-    assert [s.session_id for s in await repo.list_sessions(limit=2, offset=2)] == ["s3", "s2"]
-    assert [s.session_id for s in await repo.list_sessions(limit=2, offset=4)] == ["s1"]
+    assert [s.session_id for s in listed] == [sess("s4"), sess("s3"), sess("s2"), sess("s1"), sess("s0")]
+    await repo.append_message(sess("s0"), "user", "hi", [1])  # activity moves s0 to the front
+    assert [s.session_id for s in await repo.list_sessions(limit=2)] == [sess("s0"), sess("s4")]
+    assert [s.session_id for s in await repo.list_sessions(limit=2, offset=2)] == [sess("s3"), sess("s2")]
+    assert [s.session_id for s in await repo.list_sessions(limit=2, offset=4)] == [sess("s1")]
     assert await repo.list_sessions(offset=10) == []
-    picked = await repo.list_sessions(session_ids={"s1", "s3", "unknown"})
-    assert [s.session_id for s in picked] == ["s3", "s1"]
+    picked = await repo.list_sessions(session_ids={sess("s1"), sess("s3"), sess("unknown")})
+    assert [s.session_id for s in picked] == [sess("s3"), sess("s1")]
     assert await repo.list_sessions(session_ids=[]) == []
     assert await repo.count_sessions() == 5
-    assert await repo.count_sessions(["s1", "s3", "unknown"]) == 2
+    assert await repo.count_sessions([sess("s1"), sess("s3"), sess("unknown")]) == 2
     assert await repo.count_sessions(set()) == 0
-    assert await repo.all_session_ids() == ["s0", "s1", "s2", "s3", "s4"]
+    assert await repo.all_session_ids() == [sess("s0"), sess("s1"), sess("s2"), sess("s3"), sess("s4")]
 
 
 async def test_set_title(repo: Repo) -> None:
-    before = await repo.create_session("s", "old")
-    after = await repo.set_title("s", "new")
+    before = await repo.create_session(sess("s"), "old")
+    after = await repo.set_title(sess("s"), "new")
     assert after.title == "new" and after.updated_at > before.updated_at
-    assert await repo.get_session("s") == after
+    assert await repo.get_session(sess("s")) == after
     with pytest.raises(NotFound):
         await repo.set_title("nope", "x")
 
 
 async def test_append_keeps_counts_and_token_ids_exact(repo: Repo) -> None:
-    await repo.create_session("s", "t")
+    await repo.create_session(sess("s"), "t")
     turns: list[tuple[str, list[int]]] = [
         ("system", [1, 2, 3]),
         ("user", [0, 65535, 65536, 2**32 - 1]),
@@ -246,16 +251,16 @@ async def test_append_keeps_counts_and_token_ids_exact(repo: Repo) -> None:
     ]
     appended = []
     for i, (role, ids) in enumerate(turns):
-        message = await repo.append_message("s", role, f"text {i}", ids)
-        assert (message.index, message.session_id, message.token_ids) == (i, "s", tuple(ids))
+        message = await repo.append_message(sess("s"), role, f"text {i}", ids)
+        assert (message.index, message.session_id, message.token_ids) == (i, sess("s"), tuple(ids))
         appended.append(message)
     usage = {"input_tokens": 12, "cached_tokens": 8, "cache_tier": "device"}
-    reply = await repo.append_message("s", "assistant", "done", [7], finish_reason="length", usage=usage)
+    reply = await repo.append_message(sess("s"), "assistant", "done", [7], finish_reason="length", usage=usage)
     appended.append(reply)
     assert reply.finish_reason == "length" and reply.usage == usage
 
-    assert await repo.get_messages("s") == appended
-    session = await repo.get_session("s")
+    assert await repo.get_messages(sess("s")) == appended
+    session = await repo.get_session(sess("s"))
     assert session is not None
     assert session.message_count == 5
     assert session.token_count == sum(len(ids) for _, ids in turns) + 1
@@ -264,64 +269,64 @@ async def test_append_keeps_counts_and_token_ids_exact(repo: Repo) -> None:
     with pytest.raises(NotFound):
         await repo.append_message("nope", "user", "x", [1])
     with pytest.raises(BadRequest):
-        await repo.append_message("s", "robot", "x", [1])
+        await repo.append_message(sess("s"), "robot", "x", [1])
     with pytest.raises(BadRequest):
-        await repo.append_message("s", "assistant", "x", [1], finish_reason="bored")
+        await repo.append_message(sess("s"), "assistant", "x", [1], finish_reason="bored")
     with pytest.raises(ValueError):
-        await repo.append_message("s", "user", "x", [-1])
-    assert await repo.get_session("s") == session  # failed appends left nothing behind
+        await repo.append_message(sess("s"), "user", "x", [-1])
+    assert await repo.get_session(sess("s")) == session  # failed appends left nothing behind
 
 
 async def test_replace_from_archives_later_messages(repo: Repo, engine: AsyncEngine) -> None:
-    await repo.create_session("s", "t")
-    old = [await repo.append_message("s", role, f"m{i}", [i] * (i + 1))
+    await repo.create_session(sess("s"), "t")
+    old = [await repo.append_message(sess("s"), role, f"m{i}", [i] * (i + 1))
            for i, role in enumerate(["system", "user", "assistant", "user"])]
 
-    new, edit = await repo.replace_from("s", 1, "user", "edited", [42, 70000])
+    new, edit = await repo.replace_from(sess("s"), 1, "user", "edited", [42, 70000])
     assert (new.index, new.content, new.token_ids) == (1, "edited", (42, 70000))
-    assert (edit.session_id, edit.index) == ("s", 1)
+    assert (edit.session_id, edit.index) == (sess("s"), 1)
     assert edit.archived == tuple(old[1:])
-    assert await repo.get_messages("s") == [old[0], new]
-    session = await repo.get_session("s")
+    assert await repo.get_messages(sess("s")) == [old[0], new]
+    session = await repo.get_session(sess("s"))
     assert session is not None
     assert (session.message_count, session.token_count) == (2, 1 + 2)
-    assert await count_rows(engine, "messages", "s") == 5  # archived rows are kept
+    assert await count_rows(engine, "messages", sess("s")) == 5  # archived rows are kept
 
     # The conversation goes on after the edit, and a second edit archives its own branch.
-    reply = await repo.append_message("s", "assistant", "r", [5, 5, 5])
+    reply = await repo.append_message(sess("s"), "assistant", "r", [5, 5, 5])
     assert reply.index == 2
-    newer, edit2 = await repo.replace_from("s", 0, "system", "sys2", [])
+    newer, edit2 = await repo.replace_from(sess("s"), 0, "system", "sys2", [])
     assert edit2.archived == (old[0], new, reply)
-    assert await repo.get_messages("s") == [newer]
-    session = await repo.get_session("s")
+    assert await repo.get_messages(sess("s")) == [newer]
+    session = await repo.get_session(sess("s"))
     assert session is not None and (session.message_count, session.token_count) == (1, 0)
-    assert await repo.list_edits("s") == [edit, edit2]
+    assert await repo.list_edits(sess("s")) == [edit, edit2]
     assert edit2.edit_id > edit.edit_id
 
 
 async def test_replace_from_rejects_bad_index(repo: Repo) -> None:
-    await repo.create_session("empty", "t")
-    await repo.create_session("s", "t")
+    await repo.create_session(sess("empty"), "t")
+    await repo.create_session(sess("s"), "t")
     for i in range(3):
-        await repo.append_message("s", "user", f"m{i}", [i])
-    before = await repo.get_session("s")
+        await repo.append_message(sess("s"), "user", f"m{i}", [i])
+    before = await repo.get_session(sess("s"))
     for index in (-1, 3, 10):
         with pytest.raises(BadRequest):
-            await repo.replace_from("s", index, "user", "x", [1])
+            await repo.replace_from(sess("s"), index, "user", "x", [1])
     with pytest.raises(BadRequest):
-        await repo.replace_from("empty", 0, "user", "x", [1])
+        await repo.replace_from(sess("empty"), 0, "user", "x", [1])
     with pytest.raises(BadRequest):
-        await repo.replace_from("s", 0, "robot", "x", [1])
+        await repo.replace_from(sess("s"), 0, "robot", "x", [1])
     with pytest.raises(NotFound):
         await repo.replace_from("nope", 0, "user", "x", [1])
-    assert await repo.get_session("s") == before
-    assert len(await repo.get_messages("s")) == 3
-    assert await repo.list_edits("s") == []
+    assert await repo.get_session(sess("s")) == before
+    assert len(await repo.get_messages(sess("s"))) == 3
+    assert await repo.list_edits(sess("s")) == []
 
 
 async def test_unknown_session_reads(repo: Repo) -> None:
-    await repo.create_session("s", "t")
-    assert await repo.get_messages("s") == []
+    await repo.create_session(sess("s"), "t")
+    assert await repo.get_messages(sess("s")) == []
     with pytest.raises(NotFound):
         await repo.get_messages("nope")
     with pytest.raises(NotFound):
@@ -329,68 +334,68 @@ async def test_unknown_session_reads(repo: Repo) -> None:
 
 
 async def test_delete_cascades(repo: Repo, engine: AsyncEngine, clock: FakeClock) -> None:
-    for sid in ("gone", "kept"):
+    for sid in (sess("gone"), sess("kept")):
         await repo.create_session(sid, "t")
         for i in range(3):
             await repo.append_message(sid, "user", f"m{i}", [i, i])
         await repo.replace_from(sid, 1, "user", "edited", [9])
         await repo.put_snapshot(snapshot(sid, f"{sid}.kv", clock()))
 
-    assert await repo.delete_session("gone") is True
+    assert await repo.delete_session(sess("gone")) is True
     for table in ("messages", "edits", "snapshots", "sessions"):
-        assert await count_rows(engine, table, "gone") == 0, table
-        assert await count_rows(engine, table, "kept") > 0, table
-    assert await repo.get_session("gone") is None
-    assert await repo.get_snapshot("gone") is None
+        assert await count_rows(engine, table, sess("gone")) == 0, table
+        assert await count_rows(engine, table, sess("kept")) > 0, table
+    assert await repo.get_session(sess("gone")) is None
+    assert await repo.get_snapshot(sess("gone")) is None
     with pytest.raises(NotFound):
-        await repo.get_messages("gone")
-    assert await repo.delete_session("gone") is False
-    assert len(await repo.get_messages("kept")) == 2
+        await repo.get_messages(sess("gone"))
+    assert await repo.delete_session(sess("gone")) is False
+    assert len(await repo.get_messages(sess("kept"))) == 2
 
 
 async def test_snapshot_records(repo: Repo, clock: FakeClock) -> None:
-    await repo.create_session("a", "t")
-    await repo.create_session("b", "t")
-    assert await repo.get_snapshot("a") is None and await repo.list_snapshots() == []
+    await repo.create_session(sess("a"), "t")
+    await repo.create_session(sess("b"), "t")
+    assert await repo.get_snapshot(sess("a")) is None and await repo.list_snapshots() == []
 
-    first = snapshot("a", "a-1.kv", clock())
+    first = snapshot(sess("a"), "a-1.kv", clock())
     await repo.put_snapshot(first)
-    assert await repo.get_snapshot("a") == first
-    second = snapshot("b", "b-1.kv", clock())
+    assert await repo.get_snapshot(sess("a")) == first
+    second = snapshot(sess("b"), "b-1.kv", clock())
     await repo.put_snapshot(second)
-    replaced = snapshot("a", "a-2.kv", clock())
-    await repo.put_snapshot(replaced)  # upsert: still one record for "a"
-    assert await repo.get_snapshot("a") == replaced
+    replaced = snapshot(sess("a"), "a-2.kv", clock())
+    await repo.put_snapshot(replaced)  # upsert: still one record for sess("a")
+    assert await repo.get_snapshot(sess("a")) == replaced
     assert await repo.list_snapshots() == [second, replaced]
 
     # A timestamp in another zone is stored as the same instant and read back in UTC.
     local = datetime(2025, 6, 1, 14, 0, tzinfo=UTC).astimezone(timezone(timedelta(hours=2)))
-    await repo.put_snapshot(snapshot("b", "b-2.kv", local))
-    got = await repo.get_snapshot("b")
+    await repo.put_snapshot(snapshot(sess("b"), "b-2.kv", local))
+    got = await repo.get_snapshot(sess("b"))
     assert got is not None and got.created_at == local and got.created_at.tzinfo is UTC
 
     with pytest.raises(NotFound):
         await repo.put_snapshot(snapshot("nope", "x.kv", clock()))
     with pytest.raises(ValueError):
-        await repo.put_snapshot(snapshot("a", "naive.kv", datetime(2025, 1, 1)))
-    assert await repo.delete_snapshot("a") is True
-    assert await repo.delete_snapshot("a") is False
-    assert await repo.get_snapshot("a") is None
-    assert [s.session_id for s in await repo.list_snapshots()] == ["b"]
-    assert await repo.get_session("a") is not None  # the session outlives its snapshot
+        await repo.put_snapshot(snapshot(sess("a"), "naive.kv", datetime(2025, 1, 1)))
+    assert await repo.delete_snapshot(sess("a")) is True
+    assert await repo.delete_snapshot(sess("a")) is False
+    assert await repo.get_snapshot(sess("a")) is None
+    assert [s.session_id for s in await repo.list_snapshots()] == [sess("b")]
+    assert await repo.get_session(sess("a")) is not None  # the session outlives its snapshot
 
 
 async def test_concurrent_appends_all_land(repo: Repo) -> None:
-    await repo.create_session("a", "t")
-    await repo.create_session("b", "t")
+    await repo.create_session(sess("a"), "t")
+    await repo.create_session(sess("b"), "t")
 
     async def writer(sid: str, n: int) -> None:
         for i in range(n):
             await repo.append_message(sid, "user", f"{sid}{i}", [i])
 
     # Different sessions from separate tasks, and several tasks racing on the same session.
-    await asyncio.gather(writer("a", 10), writer("b", 10), writer("a", 10), writer("b", 10))
-    for sid in ("a", "b"):
+    await asyncio.gather(writer(sess("a"), 10), writer(sess("b"), 10), writer(sess("a"), 10), writer(sess("b"), 10))
+    for sid in (sess("a"), sess("b")):
         messages = await repo.get_messages(sid)
         assert [m.index for m in messages] == list(range(20))
         # Each of the two writers' ten messages landed exactly once.
@@ -402,19 +407,19 @@ async def test_concurrent_appends_all_land(repo: Repo) -> None:
 async def test_data_survives_reopen(store_url: str, clock: FakeClock) -> None:
     first = create_engine(store_url)
     repo = Repo(make_sessionmaker(first), clock=clock)
-    await repo.create_session("s", "persisted")
-    await repo.append_message("s", "user", "héllo ✓", [1, 70000], usage={"k": [1, 2]})
-    await repo.replace_from("s", 0, "user", "edited", [2])
-    await repo.put_snapshot(snapshot("s", "s.kv", clock()))
-    state = (await repo.get_session("s"), await repo.get_messages("s"), await repo.list_edits("s"),
-             await repo.get_snapshot("s"))
+    await repo.create_session(sess("s"), "persisted")
+    await repo.append_message(sess("s"), "user", "héllo ✓", [1, 70000], usage={"k": [1, 2]})
+    await repo.replace_from(sess("s"), 0, "user", "edited", [2])
+    await repo.put_snapshot(snapshot(sess("s"), "s.kv", clock()))
+    state = (await repo.get_session(sess("s")), await repo.get_messages(sess("s")), await repo.list_edits(sess("s")),
+             await repo.get_snapshot(sess("s")))
     await first.dispose()
 
     second = create_engine(store_url)
     try:
         reopened = Repo(make_sessionmaker(second))
-        assert (await reopened.get_session("s"), await reopened.get_messages("s"),
-                await reopened.list_edits("s"), await reopened.get_snapshot("s")) == state
+        assert (await reopened.get_session(sess("s")), await reopened.get_messages(sess("s")),
+                await reopened.list_edits(sess("s")), await reopened.get_snapshot(sess("s"))) == state
     finally:
         await second.dispose()
 

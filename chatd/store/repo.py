@@ -24,12 +24,10 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from chatd.domain import FINISH_REASONS, ROLES, SESSION_ID_MAX_CHARS, SESSION_ID_MIN_CHARS, is_session_id
 from chatd.errors import BadRequest, NotFound
 from chatd.store.models import (
-    FINISH_REASONS,
     MAX_TOKEN_ID,
-    ROLES,
-    SESSION_ID_MAX_CHARS,
     Base,
     EditRow,
     MessageRow,
@@ -196,9 +194,10 @@ class Repo:
     # -- sessions ------------------------------------------------------------------------------
 
     async def create_session(self, session_id: str, title: str) -> SessionRecord:
-        """Create an empty session. BadRequest for an empty, too long or already used id."""
-        if not session_id or len(session_id) > SESSION_ID_MAX_CHARS:
-            raise BadRequest(f"session id must be 1..{SESSION_ID_MAX_CHARS} characters")
+        """Create an empty session. BadRequest for an id outside the session-id format, or already used."""
+        if not is_session_id(session_id):
+            raise BadRequest(f"session id must be {SESSION_ID_MIN_CHARS}..{SESSION_ID_MAX_CHARS} characters of "
+                             "[A-Za-z0-9_-]")
         now = self._now()
         record = SessionRecord(session_id, title, now, now, 0, 0)
         try:
