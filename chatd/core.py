@@ -24,6 +24,7 @@ from chatd.kv.persistence import SnapshotService
 from chatd.sessions import SessionService
 from chatd.store import db
 from chatd.store.repo import Repo
+from chatd.turns import TurnRunner
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ class Chatd:
         worker.start()
         snapshots = SnapshotService(settings.cache, settings.snapshot_path, repo, runner.info)
         kv = KVManager(worker, runner.info, settings.cache, snapshots)
-        sessions = SessionService(settings, repo, ChatTemplate(runner.tokenizer), runner.info, worker, kv)
+        turns = TurnRunner(settings, repo, ChatTemplate(runner.tokenizer), runner.info, worker, kv)
+        sessions = SessionService(turns)
         core = cls(settings, runner, worker, engine, repo, snapshots, kv, sessions)
         try:
             await snapshots.startup(await repo.all_session_ids())

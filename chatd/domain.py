@@ -1,13 +1,17 @@
-"""The words every layer shares: tiers, roles, finish reasons, the session-id format and the wire's
-transport constants. Pure definitions: no I/O, and nothing of chatd is imported here, so the engine,
-the KV layer, the store and the protocol can all depend on this module without depending on each other.
+"""The words every layer shares: tiers, roles, finish reasons, the session-id format, the wire's
+transport constants and the session record. Pure definitions: no I/O, and nothing of chatd is imported
+here, so the engine, the KV layer, the store and the protocol can all depend on this module without
+depending on each other.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
+from datetime import datetime
 from typing import Final, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict
 
 Tier = Literal["device", "host", "disk", "none"]
 """Where a session's KV cache is: resident on the model's device, in host memory, in a snapshot on disk,
@@ -44,3 +48,18 @@ KEY_SUBPROTOCOL_PREFIX: Final = "chatd.key."
 CLOSE_IDLE: Final = 4000
 CLOSE_UNAUTHORIZED: Final = 4401
 CLOSE_TOO_SLOW: Final = 4408
+
+
+class SessionRecord(BaseModel):
+    """A stored conversation as every layer sees it (the wire's SessionInfo adds where its cache is)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    session_id: str
+    title: str
+    created_at: datetime
+    updated_at: datetime
+    message_count: int
+    """Messages in the active conversation (archived ones excluded)."""
+    token_count: int
+    """Sum of the active messages' token counts."""

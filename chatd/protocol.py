@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chatd.domain import SESSION_ID_PATTERN, FinishReason, Role, Tier
+from chatd.domain import SESSION_ID_PATTERN, FinishReason, Role, SessionRecord, Tier
 from chatd.errors import BadRequest, TooLarge, UnknownType
 
 PROTOCOL_VERSION = 1
@@ -46,14 +46,14 @@ class GenerationParams(_Model):
     )
 
 
-class SessionInfo(_Model):
-    session_id: str
-    title: str
-    created_at: datetime
-    updated_at: datetime
-    message_count: int
-    token_count: int
+class SessionInfo(SessionRecord):
+    """A session as the wire shows it: the stored record plus where its KV cache is now."""
+
     tier: Tier
+
+    @classmethod
+    def of(cls, record: SessionRecord, tier: Tier) -> SessionInfo:
+        return cls(**record.model_dump(), tier=tier)
 
 
 class Usage(_Model):

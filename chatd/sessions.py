@@ -17,15 +17,10 @@ import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from chatd.chat.template import ChatTemplate
-from chatd.config import Settings
-from chatd.domain import Tier, new_session_id
-from chatd.engine.runner import ModelInfo
-from chatd.engine.worker import EngineWorker
+from chatd.domain import SessionRecord, Tier, new_session_id
 from chatd.errors import Busy, ChatdError, ContextLengthExceeded, Internal, NotFound, TooLarge
-from chatd.kv.manager import KVManager
 from chatd.protocol import GenerationParams, Message, SessionInfo
-from chatd.store.repo import MessageRecord, Repo, SessionRecord
+from chatd.store.repo import MessageRecord
 from chatd.tasks import TaskSet
 from chatd.turns import EditResult, Turn, TurnResult, TurnRunner, to_message
 
@@ -35,15 +30,12 @@ log = logging.getLogger(__name__)
 
 
 class SessionService:
-    def __init__(self, settings: Settings, repo: Repo, template: ChatTemplate, info: ModelInfo,
-                 worker: EngineWorker, kv: KVManager) -> None:
-        self.settings = settings
-        self.repo = repo
-        self.template = template
-        self.info = info
-        self.worker = worker
-        self.kv = kv
-        self.turns = TurnRunner(settings, repo, template, info, worker, kv)
+    """Session operations for the edges (websocket, admin, terminal); turns run through ``turns``."""
+
+    def __init__(self, turns: TurnRunner) -> None:
+        self.turns = turns
+        self.settings, self.repo, self.template, self.info, self.kv = (
+            turns.settings, turns.repo, turns.template, turns.info, turns.kv)
         self._claims: dict[str, Turn | str] = {}
         self._background = TaskSet()
 
@@ -96,10 +88,7 @@ class SessionService:
         return "none"
 
     async def session_info(self, record: SessionRecord, tier: Tier | None = None) -> SessionInfo:
-        return SessionInfo(
-            session_id=record.session_id, title=record.title, created_at=record.created_at,
-            updated_at=record.updated_at, message_count=record.message_count,
-            token_count=record.token_count, tier=tier or await self.tier_of(record.session_id))
+        return SessionInfo.of(record, tier or await self.tier_of(record.session_id))
 
     # ------------------------------------------------------------------ sessions
 

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
@@ -135,21 +135,21 @@ class Turn:
         return self.result
 
 
+@dataclass
 class TurnRunner:
     """Carries out ``send`` and ``edit`` turns for sessions the caller has already claimed."""
 
-    def __init__(self, settings: Settings, repo: Repo, template: ChatTemplate, info: ModelInfo,
-                 worker: EngineWorker, kv: KVManager) -> None:
-        self.settings = settings
-        self.repo = repo
-        self.template = template
-        self.info = info
-        self.worker = worker
-        self.kv = kv
-        self.on_turn: list[Callable[[TurnResult], None]] = []
-        self.num_turns = 0
-        self.num_cached_tokens = 0
-        self.num_prefill_tokens = 0
+    settings: Settings
+    repo: Repo
+    template: ChatTemplate
+    info: ModelInfo
+    worker: EngineWorker
+    kv: KVManager
+    on_turn: list[Callable[[TurnResult], None]] = field(default_factory=list)
+    """Hooks called with every committed turn (metrics)."""
+    num_turns: int = 0
+    num_cached_tokens: int = 0
+    num_prefill_tokens: int = 0
 
     async def _require(self, session_id: str) -> SessionRecord:
         record = await self.repo.get_session(session_id)

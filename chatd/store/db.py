@@ -23,8 +23,6 @@ from sqlalchemy import event
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
-import chatd
-
 # How long a SQLite writer waits for the write lock before "database is locked".
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
@@ -34,7 +32,7 @@ URL_ATTRIBUTE = "chatd_store_url"
 
 def migrations_path() -> Path:
     """The ``migrations/`` folder that ships beside the ``chatd`` package."""
-    return Path(chatd.__file__).resolve().parent.parent / "migrations"
+    return Path(__file__).resolve().parent.parent.parent / "migrations"
 
 
 def is_sqlite(url: str | URL) -> bool:

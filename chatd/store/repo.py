@@ -20,11 +20,19 @@ from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from chatd.domain import FINISH_REASONS, ROLES, SESSION_ID_MAX_CHARS, SESSION_ID_MIN_CHARS, is_session_id
+from chatd.domain import (
+    FINISH_REASONS,
+    ROLES,
+    SESSION_ID_MAX_CHARS,
+    SESSION_ID_MIN_CHARS,
+    SessionRecord,
+    is_session_id,
+)
 from chatd.errors import BadRequest, NotFound
 from chatd.store.models import (
     MAX_TOKEN_ID,
@@ -39,18 +47,6 @@ from chatd.store.models import (
 # ORM-enabled UPDATE/DELETE would otherwise look for affected objects in the session; we hold none.
 _NO_SYNC = {"synchronize_session": False}
 _R = TypeVar("_R", "SessionRecord", "SnapshotRecord")
-
-
-@dataclass(frozen=True)
-class SessionRecord:
-    session_id: str
-    title: str
-    created_at: datetime
-    updated_at: datetime
-    message_count: int
-    """Messages in the active conversation (archived ones excluded)."""
-    token_count: int
-    """Sum of the active messages' token counts."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +103,8 @@ def _token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
 
 def _record(cls: type[_R], row: Base) -> _R:
     # SessionRecord and SnapshotRecord mirror their rows' column names one to one.
-    return cls(**{f.name: getattr(row, f.name) for f in fields(cls)})
+    names = list(cls.model_fields) if issubclass(cls, BaseModel) else [f.name for f in fields(cls)]
+    return cls(**{name: getattr(row, name) for name in names})
 
 
 def _message_record(row: MessageRow) -> MessageRecord:
@@ -191,6 +188,15 @@ class Repo:
     def _now(self) -> datetime:
         return utc(self._clock())
 
+    async def _delete_by_session(self, row: type[SessionRow] | type[SnapshotRow], session_id: str) -> bool:
+        """Delete the one row of ``row``'s table keyed by ``session_id``; False when there was none."""
+        async with self._sessionmaker.begin() as db:
+            deleted = await db.execute(
+                delete(row).where(row.session_id == session_id).returning(row.session_id),
+                execution_options=_NO_SYNC,
+            )
+            return deleted.first() is not None
+
     # -- sessions ------------------------------------------------------------------------------
 
     async def create_session(self, session_id: str, title: str) -> SessionRecord:
@@ -199,10 +205,11 @@ class Repo:
             raise BadRequest(f"session id must be {SESSION_ID_MIN_CHARS}..{SESSION_ID_MAX_CHARS} characters of "
                              "[A-Za-z0-9_-]")
         now = self._now()
-        record = SessionRecord(session_id, title, now, now, 0, 0)
+        record = SessionRecord(session_id=session_id, title=title, created_at=now, updated_at=now,
+                               message_count=0, token_count=0)
         try:
             async with self._sessionmaker.begin() as db:
-                db.add(SessionRow(**asdict(record)))
+                db.add(SessionRow(**record.model_dump()))
         except IntegrityError as exc:
             raise BadRequest("session id already exists") from exc
         return record
@@ -265,14 +272,7 @@ class Repo:
 
         The snapshot file on disk is the caller's to remove.
         """
-        async with self._sessionmaker.begin() as db:
-            deleted = await db.execute(
-                delete(SessionRow)
-                .where(SessionRow.session_id == session_id)
-                .returning(SessionRow.session_id),
-                execution_options=_NO_SYNC,
-            )
-            return deleted.first() is not None
+        return await self._delete_by_session(SessionRow, session_id)
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -428,14 +428,7 @@ class Repo:
 
     async def delete_snapshot(self, session_id: str) -> bool:
         """Forget the session's snapshot record; False when there was none."""
-        async with self._sessionmaker.begin() as db:
-            deleted = await db.execute(
-                delete(SnapshotRow)
-                .where(SnapshotRow.session_id == session_id)
-                .returning(SnapshotRow.session_id),
-                execution_options=_NO_SYNC,
-            )
-            return deleted.first() is not None
+        return await self._delete_by_session(SnapshotRow, session_id)
 
     async def list_snapshots(self) -> list[SnapshotRecord]:
         """Every snapshot record, oldest first (ties by session id)."""
