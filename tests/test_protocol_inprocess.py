@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketTestSession
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from chatd import config
 from chatd.config import Settings
 from chatd.domain import CLOSE_IDLE, CLOSE_TOO_SLOW, CLOSE_UNAUTHORIZED, KEY_SUBPROTOCOL_PREFIX, SUBPROTOCOL
 from chatd.engine.runner import ModelRunner
@@ -34,16 +35,31 @@ API_KEY = "k-123"
 Frame = dict[str, Any]
 
 
+def _settings(data_dir: Path, model_dir: Path, **server: Any) -> Settings:
+    server = {"max_message_chars": MAX_CHARS, "max_frame_bytes": MAX_FRAME, "max_generations_per_connection": 2,
+              **server}
+    return config.load(env={}, overrides={"data_dir": str(data_dir), "model": {"source": str(model_dir)},
+                                          "cache": {"persist_idle_s": 0, "idle_evict_s": 0}, "server": server})
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path,
+           tiny_runner: ModelRunner) -> Iterator[TestClient]:
+    """One app for the module (starting one costs more than most of these tests); each test uses its own
+    connection and sessions."""
+    with TestClient(create_app(_settings(tmp_path_factory.mktemp("inprocess"), tiny_dir),
+                               runner=tiny_runner)) as client:
+        yield client
+
+
 @pytest.fixture
-def make_client(make_settings: Callable[..., Settings], tiny_dir: Path,
-                tiny_runner: ModelRunner) -> Iterator[Callable[..., TestClient]]:
-    """Start the app (lifespan and all) with extra ``[server]`` settings; stopped at the end of the test."""
+def make_client(tmp_path: Path, tiny_dir: Path, tiny_runner: ModelRunner) -> Iterator[Callable[..., TestClient]]:
+    """An app of its own with extra ``[server]`` settings; stopped at the end of the test."""
     clients: list[TestClient] = []
 
     def make(**server: Any) -> TestClient:
-        settings = make_settings(tiny_dir, server={"max_message_chars": MAX_CHARS, "max_frame_bytes": MAX_FRAME,
-                                                   "max_generations_per_connection": 2, **server})
-        client = TestClient(create_app(settings, runner=tiny_runner))
+        client = TestClient(create_app(_settings(tmp_path / f"data{len(clients)}", tiny_dir, **server),
+                                       runner=tiny_runner))
         client.__enter__()
         clients.append(client)
         return client
@@ -51,11 +67,6 @@ def make_client(make_settings: Callable[..., Settings], tiny_dir: Path,
     yield make
     for client in clients:
         client.__exit__(None, None, None)
-
-
-@pytest.fixture
-def client(make_client: Callable[..., TestClient]) -> TestClient:
-    return make_client()
 
 
 def _open(ws: WebSocketTestSession) -> Frame:
