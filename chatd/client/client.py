@@ -207,18 +207,18 @@ class ChatClient:
         try:
             async for raw in ws:
                 frame = parse_server_frame(raw)
-                rid = getattr(frame, "id", None)
-                target = self._pending.get(rid) if rid else None
+                rid = frame.id or ""
+                target = self._pending.get(rid)
                 if isinstance(target, Reply):
                     if isinstance(frame, ErrorFrame):
                         target._push(ChatError(frame.code, frame.message))
-                        self._pending.pop(rid, None)  # type: ignore[arg-type]
+                        self._pending.pop(rid, None)
                     else:
                         target._push(frame)
                         if isinstance(frame, MessageDone | MessageEdited):
-                            self._pending.pop(rid, None)  # type: ignore[arg-type]
+                            self._pending.pop(rid, None)
                 elif target is not None:
-                    self._pending.pop(rid, None)  # type: ignore[arg-type]
+                    self._pending.pop(rid, None)
                     if not target.done():
                         target.set_result(frame)
                 elif isinstance(frame, ErrorFrame):
