@@ -290,5 +290,5 @@ def parse_server_frame(text: str | bytes) -> ServerFrame:
     try:
         return _server_frames.validate_python(data)
     except ValidationError as exc:
-        raise BadRequest(f"invalid server frame: {describe_validation_errors(exc.errors(), root='frame', skip=1)}") \
-            from None
+        problems = describe_validation_errors(exc.errors(), root="frame", skip=1)
+        raise BadRequest(f"invalid {kind} frame from the server: {problems}") from None
