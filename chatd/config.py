@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from chatd.errors import ConfigError
+from chatd.errors import ConfigError, describe_validation_errors
 
 ENV_PREFIX = "CHATD_"
 
@@ -197,7 +197,6 @@ def load(path: str | Path | None = None, *, env: Mapping[str, str] | None = None
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
+        # Every problem, not the first few: the operator fixes the file once.
+        problems = describe_validation_errors(exc.errors(), root="config", limit=None)
         raise ConfigError(f"invalid configuration: {problems}") from exc

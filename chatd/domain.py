@@ -42,7 +42,8 @@ def is_session_id(text: str) -> bool:
     return _SESSION_ID_RE.fullmatch(text) is not None
 
 
-# Websocket transport constants (docs/protocol.md). The browser UI receives them in the hello frame.
+# Websocket transport constants (docs/protocol.md). The browser UI imports them from static/wire.js, generated
+# from this module by `python -m chatd.server.wirejs`.
 SUBPROTOCOL: Final = "chatd.v1"
 KEY_SUBPROTOCOL_PREFIX: Final = "chatd.key."
 CLOSE_IDLE: Final = 4000

@@ -7,6 +7,9 @@ that are not ``ChatdError`` reach clients only as ``internal`` with a generic me
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 
 class ChatdError(Exception):
     """Base class. ``message`` is safe to show to a client."""
@@ -104,14 +107,29 @@ class SnapshotIdsMismatch(SnapshotError):
     reason = "ids_mismatch"
 
 
-WIRE_CODES = (
-    "bad_request",
-    "unknown_type",
-    "too_large",
-    "not_found",
-    "busy",
-    "context_length_exceeded",
-    "unauthorized",
-    "rate_limited",
-    "internal",
+WIRE_ERRORS: tuple[type[ChatdError], ...] = (
+    BadRequest, UnknownType, TooLarge, NotFound, Busy, ContextLengthExceeded, Unauthorized, RateLimited, Internal,
 )
+"""The errors a client can see, in the order docs/protocol.md lists them."""
+
+ERROR_CODES: tuple[str, ...] = tuple(cls.code for cls in WIRE_ERRORS)
+"""Every wire ``code`` an ``error`` frame (or an HTTP error body) can carry; the browser gets them through
+the generated static/wire.js."""
+
+
+def describe_validation_errors(errors: Iterable[Mapping[str, Any]], *, root: str = "value",
+                               limit: int | None = 5, skip: int = 0) -> str:
+    """One line naming what is wrong, from pydantic's ``ValidationError.errors()`` (or FastAPI's
+    ``RequestValidationError.errors()``): ``"a.b: msg; c: msg"``.
+
+    ``skip`` drops that many leading location parts (e.g. a discriminated union's tag); a problem with
+    the whole value is named ``root``. At most ``limit`` problems are listed (all when None), so a
+    client's message stays short whatever it sent. Returns "" when there are no errors.
+    """
+    parts = []
+    for num, err in enumerate(errors):
+        if limit is not None and num >= limit:
+            break
+        loc = ".".join(str(p) for p in tuple(err.get("loc", ()))[skip:]) or root
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)

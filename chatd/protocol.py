@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from chatd.domain import SESSION_ID_PATTERN, FinishReason, Role, SessionRecord, Tier
-from chatd.errors import BadRequest, TooLarge, UnknownType
+from chatd.errors import BadRequest, ChatdError, TooLarge, UnknownType, describe_validation_errors
 
 PROTOCOL_VERSION = 1
 
@@ -84,29 +84,31 @@ class Message(_Model):
 # ----------------------------------------------------------------------------- client -> server
 
 
-class _ClientFrame(_Model):
+class ClientFrameBase(_Model):
+    """What every client frame has: an optional request id, echoed on every frame that answers it."""
+
     id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_CHARS)
 
 
-class SessionCreate(_ClientFrame):
+class SessionCreate(ClientFrameBase):
     type: Literal["session.create"] = "session.create"
     system: str | None = None
     title: str | None = Field(default=None, max_length=200)
 
 
-class SessionResume(_ClientFrame):
+class SessionResume(ClientFrameBase):
     type: Literal["session.resume"] = "session.resume"
     session_id: SessionId
 
 
-class MessageSend(_ClientFrame):
+class MessageSend(ClientFrameBase):
     type: Literal["message.send"] = "message.send"
     session_id: SessionId
     content: str
     params: GenerationParams | None = None
 
 
-class MessageEdit(_ClientFrame):
+class MessageEdit(ClientFrameBase):
     type: Literal["message.edit"] = "message.edit"
     session_id: SessionId
     index: int = Field(ge=0)
@@ -114,38 +116,36 @@ class MessageEdit(_ClientFrame):
     params: GenerationParams | None = None
 
 
-class GenerationCancel(_ClientFrame):
+class GenerationCancel(ClientFrameBase):
     type: Literal["generation.cancel"] = "generation.cancel"
     session_id: SessionId
 
 
-class Ping(_ClientFrame):
+class Ping(ClientFrameBase):
     type: Literal["ping"] = "ping"
 
 
-ClientFrame = SessionCreate | SessionResume | MessageSend | MessageEdit | GenerationCancel | Ping
-
-CLIENT_FRAMES: dict[str, type[_ClientFrame]] = {
-    "session.create": SessionCreate,
-    "session.resume": SessionResume,
-    "message.send": MessageSend,
-    "message.edit": MessageEdit,
-    "generation.cancel": GenerationCancel,
-    "ping": Ping,
-}
+ClientFrame = Annotated[
+    SessionCreate | SessionResume | MessageSend | MessageEdit | GenerationCancel | Ping,
+    Field(discriminator="type"),
+]
+"""Any client frame, told apart by ``type``. A ``match`` over it can be checked for exhaustiveness."""
 
 
 # ----------------------------------------------------------------------------- server -> client
 
 
-class _ServerFrame(_Model):
+class ServerFrameBase(_Model):
+    """What every server frame has: the request id of the client frame it answers, if that had one."""
+
     id: str | None = None
 
     def to_json(self) -> str:
+        """The frame as sent on the wire: absent (None) fields are left out."""
         return self.model_dump_json(exclude_none=True)
 
 
-class Hello(_ServerFrame):
+class Hello(ServerFrameBase):
     type: Literal["hello"] = "hello"
     protocol_version: int = PROTOCOL_VERSION
     model: str
@@ -153,24 +153,24 @@ class Hello(_ServerFrame):
     max_context: int
 
 
-class SessionCreated(_ServerFrame):
+class SessionCreated(ServerFrameBase):
     type: Literal["session.created"] = "session.created"
     session: SessionInfo
 
 
-class SessionResumed(_ServerFrame):
+class SessionResumed(ServerFrameBase):
     type: Literal["session.resumed"] = "session.resumed"
     session: SessionInfo
     messages: list[Message]
 
 
-class Token(_ServerFrame):
+class Token(ServerFrameBase):
     type: Literal["token"] = "token"
     session_id: str
     text: str
 
 
-class MessageDone(_ServerFrame):
+class MessageDone(ServerFrameBase):
     type: Literal["message.done"] = "message.done"
     session_id: str
     user_message: Message
@@ -179,7 +179,7 @@ class MessageDone(_ServerFrame):
     usage: Usage
 
 
-class MessageEdited(_ServerFrame):
+class MessageEdited(ServerFrameBase):
     """Answer to ``message.edit`` of a system or assistant message (nothing is generated)."""
 
     type: Literal["message.edited"] = "message.edited"
@@ -188,7 +188,7 @@ class MessageEdited(_ServerFrame):
     invalidated_from: int | None = None
 
 
-class GenerationCancelled(_ServerFrame):
+class GenerationCancelled(ServerFrameBase):
     """Answer to ``generation.cancel``; the cancelled turn still ends with its ``message.done``."""
 
     type: Literal["generation.cancelled"] = "generation.cancelled"
@@ -196,43 +196,44 @@ class GenerationCancelled(_ServerFrame):
     was_running: bool
 
 
-class Pong(_ServerFrame):
+class Pong(ServerFrameBase):
     type: Literal["pong"] = "pong"
 
 
-class ErrorFrame(_ServerFrame):
+class ErrorFrame(ServerFrameBase):
     type: Literal["error"] = "error"
     code: str
     message: str
 
+    @classmethod
+    def of(cls, exc: ChatdError, request_id: str | None = None) -> ErrorFrame:
+        """The frame that reports ``exc`` (its wire code and client-safe message)."""
+        return cls(code=exc.code, message=exc.message, id=request_id)
 
-ServerFrame = (
-    Hello | SessionCreated | SessionResumed | Token | MessageDone | MessageEdited
-    | GenerationCancelled | Pong | ErrorFrame
-)
 
-SERVER_FRAMES: dict[str, type[_ServerFrame]] = {
-    "hello": Hello,
-    "session.created": SessionCreated,
-    "session.resumed": SessionResumed,
-    "token": Token,
-    "message.done": MessageDone,
-    "message.edited": MessageEdited,
-    "generation.cancelled": GenerationCancelled,
-    "pong": Pong,
-    "error": ErrorFrame,
-}
+ServerFrame = Annotated[
+    Hello | SessionCreated | SessionResumed | Token | MessageDone | MessageEdited | GenerationCancelled | Pong
+    | ErrorFrame,
+    Field(discriminator="type"),
+]
+"""Any server frame, told apart by ``type``."""
+
+
+def _frame_types(union: Any) -> dict[str, type[BaseModel]]:
+    members = get_args(get_args(union)[0])
+    return {model.model_fields["type"].default: model for model in members}
+
+
+CLIENT_FRAME_TYPES: frozenset[str] = frozenset(_frame_types(ClientFrame))
+"""Every client frame ``type`` the server understands."""
+SERVER_FRAME_TYPES: frozenset[str] = frozenset(_frame_types(ServerFrame))
+"""Every server frame ``type`` a client may receive."""
+
+_client_frames: TypeAdapter[ClientFrame] = TypeAdapter(ClientFrame)
+_server_frames: TypeAdapter[ServerFrame] = TypeAdapter(ServerFrame)
 
 
 # ----------------------------------------------------------------------------- parsing
-
-
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "frame"
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts)
 
 
 def _load_object(text: str | bytes, max_bytes: int | None) -> dict[str, Any]:
@@ -263,30 +264,31 @@ def parse_client_frame(text: str | bytes, *, max_bytes: int | None = None) -> Cl
     the frame had a usable ``id``.
     """
     data = _load_object(text, max_bytes)
-    rid = request_id_of(data)
     kind = data.get("type")
     try:
         if not isinstance(kind, str):
             raise BadRequest("frame needs a string field 'type'")
-        model = CLIENT_FRAMES.get(kind)
-        if model is None:
+        if kind not in CLIENT_FRAME_TYPES:
             raise UnknownType(f"unknown frame type {kind[:64]!r}")
         try:
-            return model.model_validate(data)  # type: ignore[return-value]
+            return _client_frames.validate_python(data)
         except ValidationError as exc:
-            raise BadRequest(f"invalid {kind} frame: {_describe(exc)}") from None
+            # The union puts the frame's type first in every error location; the message names it already.
+            problems = describe_validation_errors(exc.errors(), root="frame", skip=1)
+            raise BadRequest(f"invalid {kind} frame: {problems}") from None
     except (BadRequest, UnknownType) as exc:
-        exc.request_id = rid
+        exc.request_id = request_id_of(data)
         raise
 
 
-def parse_server_frame(text: str | bytes) -> _ServerFrame:
+def parse_server_frame(text: str | bytes) -> ServerFrame:
     """Validate one server frame (used by the client library). Raises BadRequest if invalid."""
     data = _load_object(text, None)
-    model = SERVER_FRAMES.get(str(data.get("type")))
-    if model is None:
-        raise BadRequest(f"unknown server frame type {data.get('type')!r}")
+    kind = data.get("type")
+    if not isinstance(kind, str) or kind not in SERVER_FRAME_TYPES:
+        raise BadRequest(f"unknown server frame type {kind!r}")
     try:
-        return model.model_validate(data)
+        return _server_frames.validate_python(data)
     except ValidationError as exc:
-        raise BadRequest(f"invalid server frame: {_describe(exc)}") from None
+        problems = describe_validation_errors(exc.errors(), root="frame", skip=1)
+        raise BadRequest(f"invalid {kind} frame from the server: {problems}") from None

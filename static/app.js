@@ -4,7 +4,7 @@
 // conversation survive a look at the admin view).
 
 import { mountAdmin } from "./admin.js";
-import { ChatError, Connection, defaultUrl } from "./connection.js";
+import { ChatError, CLIENT_ERROR, Connection, defaultUrl } from "./connection.js";
 import { $, h, replaceChildren } from "./dom.js";
 import { formatRelative, titleFrom } from "./format.js";
 import { renderMessage, streamingMessage } from "./messages.js";
@@ -19,26 +19,31 @@ import {
   saveSettings,
   setCurrentSession,
 } from "./store.js";
+import { ERROR, ERROR_CODES } from "./wire.js";
 
 const ERROR_TITLES = {
-  bad_request: "Bad request",
-  unknown_type: "Not understood",
-  too_large: "Too large",
-  not_found: "Not found",
-  busy: "Busy",
-  context_length_exceeded: "Conversation too long",
-  unauthorized: "Not authorized",
-  rate_limited: "Slow down",
-  internal: "Server error",
-  connection_lost: "Connection lost",
-  offline: "Offline",
-  timeout: "No answer",
-  protocol: "Protocol error",
+  [ERROR.BAD_REQUEST]: "Bad request",
+  [ERROR.UNKNOWN_TYPE]: "Not understood",
+  [ERROR.TOO_LARGE]: "Too large",
+  [ERROR.NOT_FOUND]: "Not found",
+  [ERROR.BUSY]: "Busy",
+  [ERROR.CONTEXT_LENGTH_EXCEEDED]: "Conversation too long",
+  [ERROR.UNAUTHORIZED]: "Not authorized",
+  [ERROR.RATE_LIMITED]: "Slow down",
+  [ERROR.INTERNAL]: "Server error",
+  [CLIENT_ERROR.CONNECTION_LOST]: "Connection lost",
+  [CLIENT_ERROR.OFFLINE]: "Offline",
+  [CLIENT_ERROR.TIMEOUT]: "No answer",
+  [CLIENT_ERROR.PROTOCOL]: "Protocol error",
 };
+// A code the server gained without a title here would show as a bare "Error": say so where tests look.
+for (const code of [...ERROR_CODES, ...Object.values(CLIENT_ERROR)]) {
+  if (!(code in ERROR_TITLES)) console.error(`no title for error code ${code}`);
+}
 
 // Codes that mean the server did not keep a sent message: put its text back in the composer.
-const NOT_STORED = new Set(["busy", "bad_request", "too_large", "context_length_exceeded", "rate_limited", "offline",
-  "not_found"]);
+const NOT_STORED = new Set([ERROR.BUSY, ERROR.BAD_REQUEST, ERROR.TOO_LARGE, ERROR.CONTEXT_LENGTH_EXCEEDED,
+  ERROR.RATE_LIMITED, ERROR.NOT_FOUND, CLIENT_ERROR.OFFLINE]);
 
 const CONNECTION_TEXT = {
   connecting: "Connecting…",
@@ -101,7 +106,7 @@ const shortId = (id) => (id.length > 12 ? `${id.slice(0, 8)}…` : id);
 
 /** Show an error in words: a title for its code, the server's message, and the code itself. */
 function showError(err, context = "") {
-  const code = err instanceof ChatError ? err.code : "internal";
+  const code = err instanceof ChatError ? err.code : ERROR.INTERNAL;
   const message = err instanceof ChatError ? err.message : String(err?.message ?? err);
   const text = context ? `${context}: ${message}` : message;
   // The same problem twice in a row is shown once.
@@ -145,7 +150,7 @@ conn.addEventListener("hello", (event) => {
   const { hello, reconnected } = event.detail;
   el.model.textContent = hello.model;
   el.model.title = `Model ${hello.model}, context ${hello.max_context} tokens, server ${hello.server_version}`;
-  clearAlerts(["connection_lost", "offline"]);
+  clearAlerts([CLIENT_ERROR.CONNECTION_LOST, CLIENT_ERROR.OFFLINE]);
   // Resuming also makes the server start restoring the session's cache before the next message.
   if (state.sessionId) openSession(state.sessionId, { keepView: reconnected });
 });
@@ -185,7 +190,7 @@ async function openSession(id, { keepView = false } = {}) {
     setCurrentSession(id);
   } catch (err) {
     if (request !== openRequest || state.sessionId !== id) return;
-    if (err.code === "connection_lost") return; // opened again on reconnect
+    if (err.code === CLIENT_ERROR.CONNECTION_LOST) return; // opened again on reconnect
     state.loading = false;
     state.openError = err;
     showError(err, `Could not open session ${shortId(id)}`);
@@ -285,9 +290,9 @@ async function runTurn(sessionId, frame, expectsReply) {
     finishTurn(sessionId, frame, await handle.done);
   } catch (err) {
     stored = !NOT_STORED.has(err.code);
-    if (err.code === "connection_lost") {
+    if (err.code === CLIENT_ERROR.CONNECTION_LOST) {
       showError(err, "The reply was cut off; what arrived is saved on the server and shown after reconnecting");
-    } else if (err.code === "not_found" && sessionId === state.sessionId) {
+    } else if (err.code === ERROR.NOT_FOUND && sessionId === state.sessionId) {
       // The session is gone (deleted by an operator): say so once, there is nothing to resync.
       state.openError = err;
       showError(err, "This conversation no longer exists on the server");
@@ -361,7 +366,7 @@ function saveEdit(message, content) {
     return;
   }
   if (!conn.connected) {
-    showError(new ChatError("offline", "not connected to the server; the edit was not sent"));
+    showError(new ChatError(CLIENT_ERROR.OFFLINE, "not connected to the server; the edit was not sent"));
     return;
   }
   const sessionId = state.sessionId;

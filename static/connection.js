@@ -10,16 +10,23 @@
 //   "hello"  {hello, reconnected}         the server greeted us; safe to send
 //   "error"  {code, message}              an error frame that answers no request of ours
 
-export const PROTOCOL = "chatd.v1";
-const KEY_PREFIX = "chatd.key.";
+import { CLOSE_UNAUTHORIZED, ERROR, KEY_SUBPROTOCOL_PREFIX, SUBPROTOCOL } from "./wire.js";
+
 const REQUEST_TIMEOUT_MS = 30000;
 const BACKOFF_FIRST_MS = 250;
 const BACKOFF_MAX_MS = 5000;
 // After this many failed attempts in a row we call it "offline" (and keep trying).
 const ATTEMPTS_BEFORE_OFFLINE = 5;
-const CLOSE_UNAUTHORIZED = 4401;
 
-/** An error the page shows: `code` is the wire code (or a client-side one like connection_lost). */
+/** Codes of errors that happen in the browser, beside the server's wire codes (`ERROR`). */
+export const CLIENT_ERROR = Object.freeze({
+  CONNECTION_LOST: "connection_lost",
+  OFFLINE: "offline",
+  TIMEOUT: "timeout",
+  PROTOCOL: "protocol",
+});
+
+/** An error the page shows: `code` is a wire code (`ERROR`) or a client-side one (`CLIENT_ERROR`). */
 export class ChatError extends Error {
   constructor(code, message) {
     super(message);
@@ -57,9 +64,9 @@ export class Connection extends EventTarget {
     clearTimeout(this.retryTimer);
     this.retryTimer = null;
     if (this.ws) return;
-    const protocols = [PROTOCOL];
+    const protocols = [SUBPROTOCOL];
     const key = this.getApiKey();
-    if (key) protocols.push(KEY_PREFIX + key);
+    if (key) protocols.push(KEY_SUBPROTOCOL_PREFIX + key);
     let ws;
     try {
       ws = new WebSocket(this.url, protocols);
@@ -67,7 +74,7 @@ export class Connection extends EventTarget {
       // The browser rejects keys that are not valid subprotocol tokens.
       this.stopped = true;
       this.setState("offline");
-      this.emit("error", { code: "bad_request", message: `cannot open the connection: ${err.message}` });
+      this.emit("error", { code: ERROR.BAD_REQUEST, message: `cannot open the connection: ${err.message}` });
       return;
     }
     this.ws = ws;
@@ -105,7 +112,7 @@ export class Connection extends EventTarget {
     try {
       frame = JSON.parse(event.data);
     } catch {
-      this.emit("error", { code: "protocol", message: "the server sent a frame that is not JSON" });
+      this.emit("error", { code: CLIENT_ERROR.PROTOCOL, message: "the server sent a frame that is not JSON" });
       return;
     }
     if (frame.type === "hello") {
@@ -120,7 +127,7 @@ export class Connection extends EventTarget {
     const waiter = frame.id ? this.pending.get(frame.id) : undefined;
     if (!waiter) {
       if (frame.type === "error") {
-        if (frame.code === "unauthorized") this.stopped = true;
+        if (frame.code === ERROR.UNAUTHORIZED) this.stopped = true;
         this.emit("error", { code: frame.code, message: frame.message });
       }
       return; // e.g. answers to a request we gave up on
@@ -146,7 +153,7 @@ export class Connection extends EventTarget {
     if (ws !== this.ws) return;
     this.ws = null;
     this.hello = null;
-    const lost = new ChatError("connection_lost", "the connection to the server was lost");
+    const lost = new ChatError(CLIENT_ERROR.CONNECTION_LOST, "the connection to the server was lost");
     for (const [id, waiter] of this.pending) {
       this.finish(id);
       waiter.reject(lost);
@@ -177,7 +184,7 @@ export class Connection extends EventTarget {
 
   sendFrame(frame) {
     if (!this.connected || !this.ws) {
-      throw new ChatError("offline", "not connected to the server; waiting to reconnect");
+      throw new ChatError(CLIENT_ERROR.OFFLINE, "not connected to the server; waiting to reconnect");
     }
     const id = `r${this.nextId++}`;
     this.ws.send(JSON.stringify({ ...frame, id }));
@@ -193,7 +200,7 @@ export class Connection extends EventTarget {
     return new Promise((resolve, reject) => {
       const timer = setTimeout(() => {
         this.finish(id);
-        reject(new ChatError("timeout", `no answer to ${frame.type} within ${timeoutMs / 1000} s`));
+        reject(new ChatError(CLIENT_ERROR.TIMEOUT, `no answer to ${frame.type} within ${timeoutMs / 1000} s`));
       }, timeoutMs);
       // Answers arrive in later tasks, so registering after sending cannot miss one.
       this.pending.set(id, { resolve, reject, timer });

@@ -27,8 +27,11 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.typing import Subprotocol
 
+from chatd.domain import SUBPROTOCOL
 from chatd.protocol import (
+    ClientFrame,
     ErrorFrame,
     GenerationCancel,
     GenerationCancelled,
@@ -40,14 +43,13 @@ from chatd.protocol import (
     MessageEdited,
     MessageSend,
     Ping,
+    ServerFrame,
     SessionCreate,
     SessionCreated,
     SessionInfo,
     SessionResume,
     SessionResumed,
     Token,
-    _ClientFrame,
-    _ServerFrame,
     parse_server_frame,
 )
 
@@ -83,12 +85,12 @@ class Reply:
         self._client = client
         self.request_id = request_id
         self.session_id = session_id
-        self._frames: asyncio.Queue[_ServerFrame | BaseException] = asyncio.Queue()
+        self._frames: asyncio.Queue[ServerFrame | BaseException] = asyncio.Queue()
         self.done: MessageDone | None = None
         self.edited: MessageEdited | None = None
         self.text = ""
 
-    def _push(self, item: _ServerFrame | BaseException) -> None:
+    def _push(self, item: ServerFrame | BaseException) -> None:
         self._frames.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator[str]:
@@ -129,7 +131,7 @@ class ChatClient:
         self.hello: Hello | None = None
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[str, asyncio.Future[_ServerFrame] | Reply] = {}
+        self._pending: dict[str, asyncio.Future[ServerFrame] | Reply] = {}
         self._ids = itertools.count(1)
         self._sessions: set[str] = set()
         self._connect_lock = asyncio.Lock()
@@ -161,7 +163,7 @@ class ChatClient:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
             ws = await connect(self.url, additional_headers=headers, max_size=self.max_frame_bytes,
-                               open_timeout=self.open_timeout, subprotocols=["chatd.v1"])  # type: ignore[list-item]
+                               open_timeout=self.open_timeout, subprotocols=[Subprotocol(SUBPROTOCOL)])
         except InvalidStatus as exc:
             raise ChatError("refused", f"the server refused the connection (HTTP {exc.response.status_code})") from None
         first = parse_server_frame(await asyncio.wait_for(ws.recv(), self.open_timeout))
@@ -170,7 +172,7 @@ class ChatClient:
             raise ChatError(first.code, first.message)
         if not isinstance(first, Hello):
             await ws.close()
-            raise ChatError("protocol", f"expected hello, got {first.type}")  # type: ignore[attr-defined]
+            raise ChatError("protocol", f"expected hello, got {first.type}")
         self.hello = first
         self._ws = ws
         self._reader = asyncio.ensure_future(self._read(ws))
@@ -205,18 +207,18 @@ class ChatClient:
         try:
             async for raw in ws:
                 frame = parse_server_frame(raw)
-                rid = getattr(frame, "id", None)
-                target = self._pending.get(rid) if rid else None
+                rid = frame.id or ""
+                target = self._pending.get(rid)
                 if isinstance(target, Reply):
                     if isinstance(frame, ErrorFrame):
                         target._push(ChatError(frame.code, frame.message))
-                        self._pending.pop(rid, None)  # type: ignore[arg-type]
+                        self._pending.pop(rid, None)
                     else:
                         target._push(frame)
                         if isinstance(frame, MessageDone | MessageEdited):
-                            self._pending.pop(rid, None)  # type: ignore[arg-type]
+                            self._pending.pop(rid, None)
                 elif target is not None:
-                    self._pending.pop(rid, None)  # type: ignore[arg-type]
+                    self._pending.pop(rid, None)
                     if not target.done():
                         target.set_result(frame)
                 elif isinstance(frame, ErrorFrame):
@@ -235,7 +237,7 @@ class ChatClient:
     def _next_id(self) -> str:
         return f"c{next(self._ids)}"
 
-    async def _send_frame(self, frame: _ClientFrame) -> None:
+    async def _send_frame(self, frame: ClientFrame) -> None:
         if self._ws is None:
             raise ConnectionLost()
         try:
@@ -243,10 +245,10 @@ class ChatClient:
         except ConnectionClosed:
             raise ConnectionLost() from None
 
-    async def _request(self, frame: _ClientFrame) -> _ServerFrame:
+    async def _request(self, frame: ClientFrame) -> ServerFrame:
         await self._ensure_connected()
         frame.id = self._next_id()
-        future: asyncio.Future[_ServerFrame] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[ServerFrame] = asyncio.get_running_loop().create_future()
         self._pending[frame.id] = future
         try:
             await self._send_frame(frame)

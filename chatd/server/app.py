@@ -19,7 +19,7 @@ from chatd import __version__
 from chatd.config import Settings
 from chatd.core import Chatd
 from chatd.engine.runner import ModelRunner
-from chatd.errors import ChatdError
+from chatd.errors import ChatdError, describe_validation_errors
 from chatd.server import admin
 from chatd.server.metrics import CONTENT_TYPE, Metrics
 from chatd.server.ws import websocket_endpoint
@@ -73,7 +73,7 @@ def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> Fast
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+        problems = describe_validation_errors(exc.errors(), root="request")
         return _error("bad_request", problems or "invalid request", 400)
 
     @app.exception_handler(StarletteHTTPException)
