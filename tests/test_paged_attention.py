@@ -103,7 +103,7 @@ def test_decode_ignores_padding_blocks_and_wider_tables(device: str) -> None:
     pool, _, tables = build(device, seqs)
     unused = 31
     assert all(unused not in t for t in tables)
-    pool.kv[:, :, unused] = 1e4  # garbage in the padding block must not leak in
+    pool.kv[:, :, :, unused] = 1e4  # garbage in the padding block must not leak in
     wide = block_table_tensor([[*t, unused, unused] for t in tables], device)
     context_lens = torch.tensor([3, 7], device=device)
     query = torch.randn(2, HEADS, DIM).to(device)
@@ -147,11 +147,14 @@ def test_copy_blocks_copies_every_layer_and_leaves_sources(device: str) -> None:
     pool.kv.copy_(torch.randn(pool.kv.shape))
     before = pool.kv.clone()
     pool.copy_blocks([1, 4], [4, 5])  # sources are read before destinations are written
-    torch.testing.assert_close(pool.kv[:, :, 4], before[:, :, 1], atol=0, rtol=0)
-    torch.testing.assert_close(pool.kv[:, :, 5], before[:, :, 4], atol=0, rtol=0)
-    torch.testing.assert_close(pool.kv[:, :, [0, 1, 2, 3]], before[:, :, [0, 1, 2, 3]], atol=0, rtol=0)
+    block = pool.kv.transpose(2, 3)  # [layers, 2, blocks, kv_heads, block_size, head_dim]
+    was = before.transpose(2, 3)
+    torch.testing.assert_close(block[:, :, 4], was[:, :, 1], atol=0, rtol=0)
+    torch.testing.assert_close(block[:, :, 5], was[:, :, 4], atol=0, rtol=0)
+    torch.testing.assert_close(block[:, :, [0, 1, 2, 3]], was[:, :, [0, 1, 2, 3]], atol=0, rtol=0)
     pool.copy_blocks([], [])
-    torch.testing.assert_close(pool.kv[:, :, 5], before[:, :, 4], atol=0, rtol=0)
+    torch.testing.assert_close(pool.kv, before.index_copy(3, torch.tensor([4, 5], device=device),
+                                                          before[:, :, :, [1, 4]]), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
