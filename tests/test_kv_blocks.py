@@ -286,8 +286,10 @@ def test_randomized_operations_keep_invariants_and_contents() -> None:
             if op == "allocate" or not tables:
                 ids = rng.choice(prefixes) + tokens(rng.randrange(0, 7))
                 limit = rng.choice([None, max(len(ids) - 1, 0), rng.randrange(0, len(ids) + 1)])
-                expected_hit = min(allocator.cached_prefix_len(ids), len(ids) if limit is None else limit)
-                alloc = allocator.allocate(ids, max_cached_tokens=limit)
+                namespace = rng.choice([b"", b"", b"other"])
+                expected_hit = min(allocator.cached_prefix_len(ids, namespace=namespace),
+                                   len(ids) if limit is None else limit)
+                alloc = allocator.allocate(ids, max_cached_tokens=limit, namespace=namespace)
                 assert alloc.num_cached_tokens == expected_hit
                 pool.copy(alloc.copies)
                 pool.check(alloc.table)  # the cached part already holds the right K/V
@@ -315,7 +317,7 @@ def test_randomized_operations_keep_invariants_and_contents() -> None:
                 tables.append(child)
                 model[child.table_id] = list(model[table.table_id])
             elif op == "free":
-                allocator.free(table)
+                allocator.free(table, keep_cached=rng.random() < 0.8)
                 tables.remove(table)
                 del model[table.table_id]
         except BlockPoolExhausted:
@@ -345,3 +347,68 @@ def test_slot_ids_and_flatten_copies() -> None:
     with pytest.raises(ValueError):
         table.slot_ids(0, 7)
     assert flatten_copies([BlockCopy(1, 2), BlockCopy(3, 4)]) == ([1, 3], [2, 4])
+
+
+def test_same_content_computed_twice_registers_once() -> None:
+    allocator, pool = new()
+    ids = list(range(8))
+    a = allocator.allocate(ids)
+    b = allocator.allocate(ids)  # before a committed: nothing to share yet
+    pool.compute(a.table)
+    pool.compute(b.table)
+    assert [allocator.block_hash(x) is not None for x in b.table.block_ids] == [False, False]
+    allocator.free(a.table)
+    allocator.free(b.table)
+    assert (allocator.num_cached_blocks, allocator.num_free_blocks) == (2, 14)
+    assert allocator.allocate(ids).num_cached_tokens == 8
+    allocator.verify()
+
+
+def test_peeking_changes_nothing_and_needs_are_predicted() -> None:
+    allocator, pool = new(num_blocks=8)
+    first = allocator.allocate(list(range(8)))
+    pool.compute(first.table)
+    allocator.free(first.table)
+    before = _state(allocator, [])
+    assert allocator.cached_prefix_len([*range(8), 99]) == 8
+    assert allocator.cached_prefix_len([0, 1, 2]) == 0
+    assert _state(allocator, []) == before
+    table = allocator.allocate(list(range(6))).table  # takes the first cached block, 1 new
+    pool.compute(table)
+    assert allocator.blocks_needed_to_append(table, 2) == 0
+    assert allocator.blocks_needed_to_append(table, 3) == 1
+    assert allocator.blocks_needed_to_append(table, 11) == 3
+    fork = allocator.fork(table)
+    assert allocator.blocks_needed_to_append(fork, 1) == 1  # the shared partial block is copied
+    free_before = allocator.num_available_blocks
+    allocator.append(fork, list(range(11)))
+    assert free_before - allocator.num_available_blocks == 4
+
+
+def test_namespaces_do_not_share() -> None:
+    allocator, pool = new()
+    ids = list(range(8))
+    a = allocator.allocate(ids, namespace=b"tenant-a")
+    pool.compute(a.table)
+    assert allocator.allocate(ids, namespace=b"tenant-b").num_cached_tokens == 0
+    assert allocator.allocate(ids).num_cached_tokens == 0
+    again = allocator.allocate(ids, namespace=b"tenant-a")
+    assert again.num_cached_tokens == 8
+    child = allocator.fork(again.table)
+    allocator.append(child, [1, 2, 3, 4])
+    pool.compute(child)
+    assert allocator.cached_prefix_len([*ids, 1, 2, 3, 4], namespace=b"tenant-a") == 12
+    assert allocator.cached_prefix_len([*ids, 1, 2, 3, 4]) == 0
+    allocator.verify()
+
+
+def test_free_without_keeping_cached_forgets_unshared_blocks() -> None:
+    allocator, pool = new()
+    shared = allocator.allocate(list(range(8)))
+    pool.compute(shared.table)
+    mine = allocator.allocate([*range(8), 20, 21, 22, 23, 24])
+    pool.compute(mine.table)
+    allocator.free(mine.table, keep_cached=False)
+    assert allocator.num_cached_blocks == 0  # its own block 2 is gone, not cached
+    assert allocator.cached_prefix_len([*range(8), 20, 21, 22, 23]) == 8  # the shared prefix stays
+    allocator.verify()

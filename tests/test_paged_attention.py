@@ -189,6 +189,13 @@ def test_slot_mapping_read_and_write_sequence_round_trip() -> None:
         assert k2.is_contiguous() and k2.shape == (KV_HEADS, 10, DIM)
         torch.testing.assert_close(k2, k, atol=0, rtol=0)
         torch.testing.assert_close(v2, v, atol=0, rtol=0)
+    tail = [(torch.randn(KV_HEADS, 3, DIM), torch.randn(KV_HEADS, 3, DIM)) for _ in range(LAYERS)]
+    pool.write_sequence(block_ids, tail, start=6)  # positions 6..8 only
+    back = pool.read_sequence(block_ids, 10)
+    for (k, _), (k_tail, _), (k2, _) in zip(layers, tail, back, strict=True):
+        torch.testing.assert_close(k2[:, :6], k[:, :6], atol=0, rtol=0)
+        torch.testing.assert_close(k2[:, 6:9], k_tail, atol=0, rtol=0)
+        torch.testing.assert_close(k2[:, 9:], k[:, 9:], atol=0, rtol=0)
     tables = block_table_tensor([[5, 2, 7], [1]])
     seq_index = torch.tensor([0, 0, 1])
     positions = torch.tensor([3, 9, 2])

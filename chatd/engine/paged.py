@@ -110,12 +110,13 @@ class PagedKVPool:
         tokens = self.kv.index_select(3, ids).flatten(3, 4)[:, :, :, :num_tokens].contiguous()
         return [(tokens[layer, 0], tokens[layer, 1]) for layer in range(self.num_layers)]
 
-    def write_sequence(self, block_ids: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                       ) -> None:
-        """Fill one sequence's blocks from per-layer ``[kv_heads, num_tokens, head_dim]`` K and V (a
-        restore); ``block_ids`` must cover ``num_tokens`` positions."""
+    def write_sequence(self, block_ids: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                       start: int = 0) -> None:
+        """Fill positions ``[start, start + num_tokens)`` of one sequence from per-layer
+        ``[kv_heads, num_tokens, head_dim]`` K and V (a restore). ``block_ids`` must cover them. Pass
+        ``start`` = the positions found cached, so a restore never writes into shared blocks."""
         num_tokens = layers[0][0].shape[1]
-        slot_ids = slot_ids_for(block_ids, 0, num_tokens, self.block_size, self.device)
+        slot_ids = slot_ids_for(block_ids, start, start + num_tokens, self.block_size, self.device)
         for layer, (keys, values) in enumerate(layers):
             self.write(layer, slot_ids, keys.transpose(0, 1).to(self.device, self.dtype),
                        values.transpose(0, 1).to(self.device, self.dtype))

@@ -10,11 +10,13 @@ Prefix sharing. A full block whose K/V has been computed (see :meth:`BlockAlloca
 registered under a chain hash ``H(parent hash, its token ids, salt)``, where the parent is the hash of
 the previous block of the same sequence (a fixed root for the first block). Equal hashes therefore mean
 the same token ids from position 0 up to the block's end under the same salt (the model fingerprint),
-which is what makes two sequences' K/V for that block identical. :meth:`BlockAllocator.allocate` walks a
-new prompt's full blocks through the index and references the longest chain it finds instead of
-allocating. A registered block whose last reference is dropped stays registered and findable
-("cached") until its room is needed; cached blocks are evicted least recently released first, and a
-table is released tail first, so the end of a chain goes before its beginning.
+which is what makes two sequences' K/V for that block identical. An optional per-table namespace
+joins the salt, for callers that must not share (or reveal) prefixes across clients.
+:meth:`BlockAllocator.allocate` walks a new prompt's full blocks through the index and references the
+longest chain it finds instead of allocating. A registered block whose last reference is dropped
+stays registered and findable ("cached") until its room is needed; cached blocks are evicted least
+recently released first, and a table is released tail first, so the end of a chain goes before its
+beginning.
 
 Block states (every block is in exactly one):
 
@@ -123,9 +125,13 @@ class BlockStats:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
 
-def root_hash(salt: bytes) -> bytes:
-    """The parent hash of a sequence's first block under ``salt``."""
-    return hashlib.blake2b(b"chatd-kv-root\0" + salt, digest_size=HASH_BYTES).digest()
+def root_hash(salt: bytes, namespace: bytes = b"") -> bytes:
+    """The parent hash of a sequence's first block under ``salt`` and ``namespace``."""
+    digest = hashlib.blake2b(b"chatd-kv-root\0", digest_size=HASH_BYTES)
+    digest.update(len(salt).to_bytes(8, "little"))
+    digest.update(salt)
+    digest.update(namespace)
+    return digest.digest()
 
 
 def chain_hash(parent: bytes, token_ids: Sequence[int], salt: bytes) -> bytes:
@@ -150,11 +156,13 @@ class BlockTable:
     mutate the returned sequences.
     """
 
-    __slots__ = ("_block_hashes", "_block_ids", "_live", "_num_computed", "_token_ids", "block_size", "table_id")
+    __slots__ = ("_block_hashes", "_block_ids", "_live", "_num_computed", "_root", "_token_ids", "block_size",
+                 "table_id")
 
-    def __init__(self, table_id: int, block_size: int) -> None:
+    def __init__(self, table_id: int, block_size: int, root: bytes) -> None:
         self.table_id = table_id
         self.block_size = block_size
+        self._root = root  # parent hash of the first block: salt and namespace
         self._block_ids: list[int] = []
         self._token_ids: list[int] = []
         # Hashes of the leading full blocks whose K/V is computed: exactly num_computed // block_size.
@@ -243,20 +251,24 @@ class BlockAllocator:
         """The hash a block is registered under, or None."""
         return self._block_hashes[block_id]
 
-    def hashes_of(self, token_ids: Sequence[int]) -> list[bytes]:
+    def hashes_of(self, token_ids: Sequence[int], *, namespace: bytes = b"") -> list[bytes]:
         """Chain hashes of the full blocks of ``token_ids`` under this allocator's salt."""
+        return self._hashes(token_ids, self._root_for(namespace))
+
+    def _hashes(self, token_ids: Sequence[int], root: bytes) -> list[bytes]:
         hashes: list[bytes] = []
-        parent = self._root
+        parent = root
         size = self.block_size
         for i in range(len(token_ids) // size):
             parent = chain_hash(parent, token_ids[i * size : (i + 1) * size], self.salt)
             hashes.append(parent)
         return hashes
 
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix_len(self, token_ids: Sequence[int], *, namespace: bytes = b"") -> int:
         """How many leading tokens of ``token_ids`` are resident in registered blocks (block-aligned).
         Changes nothing, not even the LRU order."""
-        return len(self._lookup(token_ids, len(token_ids) // self.block_size)[0]) * self.block_size
+        root = self._root_for(namespace)
+        return len(self._lookup(token_ids, len(token_ids) // self.block_size, root)[0]) * self.block_size
 
     def blocks_needed_to_append(self, table: BlockTable, num_tokens: int) -> int:
         """Blocks :meth:`append` of ``num_tokens`` would take (including a copy-on-write)."""
@@ -291,19 +303,25 @@ class BlockAllocator:
 
     # ------------------------------------------------------------------ operations
 
-    def allocate(self, token_ids: Sequence[int], *, max_cached_tokens: int | None = None) -> Allocation:
+    def allocate(self, token_ids: Sequence[int], *, max_cached_tokens: int | None = None,
+                 namespace: bytes = b"") -> Allocation:
         """A new table holding slots for all of ``token_ids``, reusing the longest chain of registered
         full blocks that starts the prompt, up to ``max_cached_tokens`` positions (e.g. ``len - 1`` so
         the last prompt token is computed and yields logits).
 
         When the limit ends inside a found block, that block is shared copy-on-write (a
         :class:`BlockCopy` in the result) or, when nobody holds it, taken over in place.
+        ``namespace`` joins the salt for this table (and its forks): only tables of the same namespace
+        share blocks. Use it where one client must not learn, from ``num_cached_tokens`` or timing,
+        that another client sent the same prefix.
+
         Raises :class:`BlockPoolExhausted` (changing nothing) when the rest does not fit.
         """
         ids = list(token_ids)
+        root = self._root_for(namespace)
         size = self.block_size
         limit = len(ids) if max_cached_tokens is None else max(0, min(max_cached_tokens, len(ids)))
-        hit_ids, hit_hashes = self._lookup(ids, min(len(ids) // size, num_blocks_for(limit, size)))
+        hit_ids, hit_hashes = self._lookup(ids, min(len(ids) // size, num_blocks_for(limit, size)), root)
         num_cached = min(len(hit_ids) * size, limit)
         cut = num_cached % size != 0
         cow = cut and self._ref_counts[hit_ids[-1]] > 0
@@ -312,7 +330,7 @@ class BlockAllocator:
         taken_cached = sum(1 for b in hit_ids[:num_taken] if self._ref_counts[b] == 0)
         self._require(num_new, self.num_available_blocks - taken_cached)
 
-        table = self._new_table()
+        table = self._new_table(root)
         for block_id in hit_ids[:num_taken]:
             self._acquire(block_id)
             table._block_ids.append(block_id)
@@ -369,7 +387,7 @@ class BlockAllocator:
         table._num_computed = n
         size = self.block_size
         hashes = table._block_hashes
-        parent = hashes[-1] if hashes else self._root
+        parent = hashes[-1] if hashes else table._root
         for i in range(len(hashes), n // size):
             chunk = table._token_ids[i * size : (i + 1) * size]
             parent = chain_hash(parent, chunk, self.salt)
@@ -423,7 +441,7 @@ class BlockAllocator:
         self._check_live(table)
         if table._num_computed != table.num_tokens:
             raise ValueError(f"{table} has uncommitted positions and cannot be forked")
-        child = self._new_table()
+        child = self._new_table(table._root)
         for block_id in table._block_ids:
             self._acquire(block_id)
         child._block_ids = list(table._block_ids)
@@ -432,11 +450,15 @@ class BlockAllocator:
         child._num_computed = table._num_computed
         return child
 
-    def free(self, table: BlockTable) -> None:
+    def free(self, table: BlockTable, *, keep_cached: bool = True) -> None:
         """Release all of a table's blocks, last first (registered ones stay cached, evicted before
-        the blocks that precede them). The table is dead afterwards; freeing it again raises."""
+        the blocks that precede them). With ``keep_cached=False`` (a deleted conversation) the blocks
+        no other table holds are unregistered and freed at once. The table is dead afterwards;
+        freeing it again raises."""
         self._check_live(table)
         for block_id in reversed(table._block_ids):
+            if not keep_cached and self._ref_counts[block_id] == 1:
+                self._unregister(block_id)
             self._release(block_id)
         table._block_ids = []
         table._token_ids = []
@@ -466,7 +488,8 @@ class BlockAllocator:
             _check(len(table._block_ids) == num_blocks_for(table.num_tokens, size), f"{table} block count")
             _check(table._num_computed <= table.num_tokens, f"{table} computed past its end")
             _check(len(table._block_hashes) == table._num_computed // size, f"{table} hash count")
-            _check(table._block_hashes == self.hashes_of(table._token_ids[: len(table._block_hashes) * size]),
+            _check(table._block_hashes == self._hashes(table._token_ids[: len(table._block_hashes) * size],
+                                                       table._root),
                    f"{table} hashes do not match its tokens")
             for i, block_id in enumerate(table._block_ids):
                 refs[block_id] += 1
@@ -495,8 +518,11 @@ class BlockAllocator:
 
     # ------------------------------------------------------------------ internals
 
-    def _new_table(self) -> BlockTable:
-        table = BlockTable(self._next_table_id, self.block_size)
+    def _root_for(self, namespace: bytes) -> bytes:
+        return root_hash(self.salt, namespace) if namespace else self._root
+
+    def _new_table(self, root: bytes) -> BlockTable:
+        table = BlockTable(self._next_table_id, self.block_size, root)
         self._next_table_id += 1
         self._tables[table.table_id] = table
         return table
@@ -510,10 +536,10 @@ class BlockAllocator:
         if num_needed > num_available:
             raise BlockPoolExhausted(num_needed, num_available)
 
-    def _lookup(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
+    def _lookup(self, token_ids: Sequence[int], max_blocks: int, root: bytes) -> tuple[list[int], list[bytes]]:
         block_ids: list[int] = []
         hashes: list[bytes] = []
-        parent = self._root
+        parent = root
         size = self.block_size
         for i in range(max_blocks):
             chunk = tuple(token_ids[i * size : (i + 1) * size])
