@@ -10,13 +10,13 @@ SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64), fp32, block size 1
 * rows, own buffers: a Python loop, per row SDPA over its own contiguous K/V (the engine's
   attention before the paged pool: no gather, but one call per row).
 
-Random tensors and block ids; timings are medians, rough on a shared machine.
+Random tensors and block ids; timings are the best of ``--repeat`` runs (the least disturbed by other
+load on a shared machine), so they show each method's own cost; still rough.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
@@ -28,14 +28,14 @@ from chatd.engine.paged import PagedKVPool, paged_attention
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
 
 
-def _median_ms(fn: Callable[[], object], repeat: int) -> float:
+def _best_ms(fn: Callable[[], object], repeat: int) -> float:
     fn()
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
+    return min(times) * 1000
 
 
 def measure(batch: int, context: int, repeat: int, device: torch.device) -> dict[str, float]:
@@ -73,14 +73,14 @@ def measure(batch: int, context: int, repeat: int, device: torch.device) -> dict
         return torch.cat(outs)
 
     with torch.inference_mode():
-        return {"paged": _median_ms(paged, repeat), "rows, pool": _median_ms(rows_pool, repeat),
-                "rows, own buffers": _median_ms(rows_own, repeat)}
+        return {"paged": _best_ms(paged, repeat), "rows, pool": _best_ms(rows_pool, repeat),
+                "rows, own buffers": _best_ms(rows_own, repeat)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
