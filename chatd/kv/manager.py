@@ -28,11 +28,12 @@ from chatd.config import CacheSettings
 from chatd.domain import Tier
 from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelInfo
-from chatd.engine.worker import EngineWorker
 from chatd.errors import ContextLengthExceeded, SnapshotError
 from chatd.kv import policy
 
 if TYPE_CHECKING:
+    # Types only: the worker module pulls in sampling and, through it, the wire protocol.
+    from chatd.engine.worker import EngineWorker
     from chatd.kv.persistence import SnapshotService
 
 log = logging.getLogger(__name__)

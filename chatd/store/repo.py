@@ -24,6 +24,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from chatd.domain import SnapshotRecord
 from chatd.errors import BadRequest, NotFound
 from chatd.store.models import (
     FINISH_REASONS,
@@ -78,18 +79,6 @@ class EditRecord:
     created_at: datetime
     archived: tuple[MessageRecord, ...]
     """The messages this edit replaced, ordered by index."""
-
-
-@dataclass(frozen=True)
-class SnapshotRecord:
-    session_id: str
-    file_name: str
-    num_tokens: int
-    file_bytes: int
-    raw_bytes: int
-    fingerprint: str
-    ids_digest: str
-    created_at: datetime
 
 
 def _utcnow() -> datetime:
