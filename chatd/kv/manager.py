@@ -30,6 +30,7 @@ from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelInfo
 from chatd.errors import ContextLengthExceeded, SnapshotError
 from chatd.kv import policy
+from chatd.tasks import TaskSet
 
 if TYPE_CHECKING:
     # Types only: the worker module pulls in sampling and, through it, the wire protocol.
@@ -114,7 +115,8 @@ class KVManager:
         self._entries: dict[str, _Entry] = {}
         self._room = asyncio.Condition()
         self._background: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Future[object]] = set()
+        # Frees, spare-capacity trims and room notifications that nobody waits for.
+        self._tasks = TaskSet()
 
     # ------------------------------------------------------------------ queries
 
@@ -217,8 +219,8 @@ class KVManager:
             entry.last_used = self.clock()
             cache = lease.cache
             if cache.capacity - cache.length > SPARE_TOKENS:
-                self._spawn(self.worker.call(lambda: cache.reserve(cache.length + SPARE_TOKENS)))
-        self._spawn(self._notify_room())
+                self._tasks.spawn(self.worker.call(lambda: cache.reserve(cache.length + SPARE_TOKENS)))
+        self._tasks.spawn(self._notify_room())
 
     async def _notify_room(self) -> None:
         async with self._room:
@@ -287,7 +289,7 @@ class KVManager:
         if self._entries.get(entry.session_id) is entry:
             del self._entries[entry.session_id]
         cache = entry.cache
-        self._spawn(self.worker.call(cache.free))
+        self._tasks.spawn(self.worker.call(cache.free))
 
     # ------------------------------------------------------------------ snapshots
 
@@ -425,6 +427,8 @@ class KVManager:
             self._background = asyncio.ensure_future(self._background_loop(interval_s))
 
     async def stop(self) -> None:
+        """Stop background maintenance and wait for snapshot I/O and the frees and trims already
+        handed to the worker, so the worker can be stopped right after :meth:`persist_all`."""
         if self._background is not None:
             self._background.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -434,6 +438,7 @@ class KVManager:
             if entry.io is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(entry.io)
+        await self._tasks.join()
 
     async def persist_all(self) -> int:
         """Snapshot every idle resident session not on disk yet (graceful shutdown). Returns how many."""
@@ -465,11 +470,6 @@ class KVManager:
                 await self.tick()
             except Exception:
                 log.exception("background cache maintenance failed")
-
-    def _spawn(self, awaitable: Awaitable[object]) -> None:
-        task = asyncio.ensure_future(awaitable)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 async def _resolved(value: bool) -> bool:
