@@ -33,6 +33,7 @@ from chatd.errors import SnapshotModelMismatch
 from chatd.kv import policy
 from chatd.kv.snapshot import ModelFingerprint, allocate_targets, read_info, read_snapshot, write_snapshot
 from chatd.kv.snapshot_store import SnapshotStore
+from chatd.stats import Counters
 
 if TYPE_CHECKING:
     # Types only: the worker module pulls in sampling and, through it, the wire protocol.
@@ -73,7 +74,8 @@ def ids_digest(token_ids: Sequence[int]) -> str:
 
 
 class SnapshotService:
-    def __init__(self, settings: CacheSettings, folder: Path, index: SnapshotIndex, info: ModelInfo) -> None:
+    def __init__(self, settings: CacheSettings, folder: Path, index: SnapshotIndex, info: ModelInfo, *,
+                 counters: Counters | None = None) -> None:
         self.settings = settings
         self.store = SnapshotStore(folder)
         self.index = index
@@ -85,8 +87,7 @@ class SnapshotService:
             restore_bytes_per_s=_INITIAL_RESTORE_BPS)
         self._records: dict[str, SnapshotRecord] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatd-snapshot-io")
-        self.num_deleted_for_budget = 0
-        self.bytes_written = 0
+        self.counters = counters if counters is not None else Counters()
 
     async def _in_io(self, fn: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
@@ -121,6 +122,10 @@ class SnapshotService:
     async def record(self, session_id: str) -> SnapshotRecord | None:
         return self._records.get(session_id)
 
+    def has(self, session_id: str) -> bool:
+        """True while the session has a snapshot this service would try to restore."""
+        return session_id in self._records
+
     def records(self) -> dict[str, SnapshotRecord]:
         return dict(self._records)
 
@@ -149,7 +154,7 @@ class SnapshotService:
             fingerprint=self.fingerprint.digest(), ids_digest=ids_digest(ids), created_at=datetime.now(UTC))
         await self.index.put_snapshot(record)
         self._records[session_id] = record
-        self.bytes_written += file_bytes
+        self.counters.num_snapshot_bytes_written += file_bytes
         await self._enforce_disk_budget(keep=session_id)
         return record
 
@@ -220,5 +225,5 @@ class SnapshotService:
             if oldest is None:
                 return
             log.info("disk budget: deleting snapshot of session %s", oldest.session_id[:8])
-            self.num_deleted_for_budget += 1
+            self.counters.num_snapshots_deleted_for_budget += 1
             await self.delete(oldest.session_id)
