@@ -40,6 +40,14 @@ def is_session_id(text: str) -> bool:
     return _SESSION_ID_RE.fullmatch(text) is not None
 
 
+# Websocket transport constants (docs/protocol.md). The browser UI receives them in the hello frame.
+SUBPROTOCOL: Final = "chatd.v1"
+KEY_SUBPROTOCOL_PREFIX: Final = "chatd.key."
+CLOSE_IDLE: Final = 4000
+CLOSE_UNAUTHORIZED: Final = 4401
+CLOSE_TOO_SLOW: Final = 4408
+
+
 @dataclass(frozen=True)
 class SnapshotRecord:
     """What the store remembers about a session's one KV snapshot file. The KV layer writes and reads
@@ -60,11 +68,3 @@ class SnapshotRecord:
     """sha256 of the token ids, little-endian uint32."""
     created_at: datetime
     """Timezone-aware UTC."""
-
-
-# Websocket transport constants (docs/protocol.md). The browser UI receives them in the hello frame.
-SUBPROTOCOL: Final = "chatd.v1"
-KEY_SUBPROTOCOL_PREFIX: Final = "chatd.key."
-CLOSE_IDLE: Final = 4000
-CLOSE_UNAUTHORIZED: Final = 4401
-CLOSE_TOO_SLOW: Final = 4408

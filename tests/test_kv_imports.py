@@ -1,4 +1,4 @@
-"""Layering rules that imports must keep: the KV layer knows nothing of the store, the wire or the server."""
+"""The KV layer knows nothing of the store, the wire or the server: not in its sources, not at run time."""
 
 from __future__ import annotations
 
