@@ -20,7 +20,7 @@ from benchmarks.common import Bench, Column, Corpus, Figure, ratio
 from chatd import config
 from chatd.core import Chatd
 from chatd.protocol import GenerationParams
-from chatd.sessions import TurnResult
+from chatd.turns import TurnResult
 
 SYSTEM = "You are a careful assistant. The user shares notes in parts; answer briefly."
 PROBE_TOKENS = 24  # about the length of the measured question, with its framing

@@ -24,7 +24,7 @@ from chatd.config import ModelSettings
 from chatd.core import Chatd
 from chatd.engine.runner import ModelRunner
 from chatd.protocol import GenerationParams
-from chatd.sessions import TurnResult
+from chatd.turns import TurnResult
 
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "Which one is bigger?"]
 _LATER_LOAD = """

@@ -85,7 +85,7 @@ async def _workload(args: argparse.Namespace) -> dict[str, Any]:
     from chatd.dev import packaged_model_dir, tiny_model_dir
     from chatd.engine.runner import ModelRunner
     from chatd.protocol import GenerationParams
-    from chatd.sessions import TurnResult
+    from chatd.turns import TurnResult
 
     folder = tiny_model_dir() if args.model == "tiny" else packaged_model_dir()
     runner = ModelRunner.load(ModelSettings(source=str(folder), device=args.device, dtype=args.dtype,
@@ -134,7 +134,7 @@ async def _workload(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.gather(*(one(s, t) for s, t in zip(group, texts, strict=True)))
         stop.set()
         await sampling
-        stats = kv.stats
+        counters = core.counters
         result: dict[str, Any] = {
             "model": runner.info.name if args.model == "real" else "tiny (random init)",
             "model_dir": str(folder), "sessions": args.sessions, "turns": sum(tiers.values()),
@@ -142,9 +142,10 @@ async def _workload(args: argparse.Namespace) -> dict[str, Any]:
             "max_used_over_budget": max(after_turns),
             "max_used_over_budget_sampled": max(sampled_max, max(after_turns)),
             "mean_used_over_budget": sum(after_turns) / len(after_turns),
-            "evictions": stats.evictions, "evictions_for_room": stats.evictions_for_room,
-            "restores": stats.restores, "restore_failures": stats.restore_failures,
-            "snapshot_writes": stats.snapshot_writes, "snapshot_write_failures": stats.snapshot_write_failures,
+            "evictions": counters.num_evictions, "evictions_for_room": counters.num_evictions_for_room,
+            "restores": counters.num_restores, "restore_failures": counters.num_restore_failures,
+            "snapshot_writes": counters.num_snapshot_writes,
+            "snapshot_write_failures": counters.num_snapshot_write_failures,
             "turns_device": tiers["device"], "turns_disk": tiers["disk"], "turns_none": tiers["none"],
             "disk_bytes": core.snapshots.disk_bytes,
             "within_budget": max(sampled_max, max(after_turns)) <= 1.0,

@@ -1,7 +1,9 @@
-"""Wiring: build every part from Settings, start it, and shut it down in order.
+"""Wiring: build every part from Settings, start it, and shut it down in order; and the operations
+the edges call (listing and inspecting sessions, operator actions, stats).
 
 ``async with Chatd.open(settings) as core:`` gives a running :class:`SessionService` plus its parts;
-the server's lifespan, the terminal chat and the tests all use this one path.
+the server's lifespan, the terminal chat and the tests all use this one path. The admin API and
+/metrics go through :class:`Chatd`'s operations only, never to the parts behind them.
 """
 
 from __future__ import annotations
@@ -9,24 +11,76 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
+from chatd.domain import SessionRecord, Tier
 from chatd.engine.runner import ModelRunner
 from chatd.engine.worker import EngineWorker
+from chatd.errors import NotFound
 from chatd.kv.manager import KVManager
 from chatd.kv.persistence import SnapshotService
+from chatd.protocol import Message, SessionInfo
 from chatd.sessions import SessionService
+from chatd.stats import Counters, Stats, Tiers, build_stats
 from chatd.store import db
 from chatd.store.repo import Repo
-from chatd.turns import TurnRunner
+from chatd.turns import TurnResult, TurnRunner, to_message
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    """A session as an operator sees it: its wire info plus where its cache is and how big."""
+
+    info: SessionInfo
+    kv_bytes: int
+    """Allocated bytes of its resident cache; 0 when not resident."""
+    snapshot_bytes: int
+    """Size of its snapshot file; 0 when it has none."""
+    last_active: datetime
+    generating: bool
+
+
+@dataclass(frozen=True)
+class SessionListing:
+    sessions: list[SessionSummary]
+    total: int
+    """How many sessions match the filter, over all pages."""
+
+
+@dataclass(frozen=True)
+class MessageLayout:
+    """A stored message and where its token ids sit in the conversation's ids."""
+
+    message: Message
+    num_tokens: int
+    token_span: tuple[int, int]
+    """[start, end) of the message's ids in the conversation's ids."""
+    content_span: tuple[int, int]
+    """[start, end) of the content ids (without the template's header and footer)."""
+
+
+@dataclass(frozen=True)
+class SessionDetail:
+    summary: SessionSummary
+    messages: list[MessageLayout]
+    cached_tokens: int
+    """How many leading conversation ids the resident cache holds (0 when not resident)."""
+
+
+@dataclass(frozen=True)
+class ActionOutcome:
+    done: bool
+    tier: Tier
+    """Where the session's cache is after the action."""
 
 
 @dataclass
@@ -39,6 +93,8 @@ class Chatd:
     snapshots: SnapshotService
     kv: KVManager
     sessions: SessionService
+    counters: Counters
+    tiers: Tiers
 
     @classmethod
     @asynccontextmanager
@@ -60,14 +116,16 @@ class Chatd:
                                  dataclasses.replace(runner.info, max_context=settings.model.max_context))
         engine = db.create_engine(settings.store_url, echo=settings.store.echo)
         repo = Repo(db.make_sessionmaker(engine))
+        counters = Counters()
         worker = EngineWorker(runner, prefill_chunk_tokens=settings.model.prefill_chunk_tokens,
-                              max_batch_size=settings.model.max_batch_size)
+                              max_batch_size=settings.model.max_batch_size, counters=counters)
         worker.start()
-        snapshots = SnapshotService(settings.cache, settings.snapshot_path, repo, runner.info)
-        kv = KVManager(worker, runner.info, settings.cache, snapshots)
-        turns = TurnRunner(settings, repo, ChatTemplate(runner.tokenizer), runner.info, worker, kv)
-        sessions = SessionService(turns)
-        core = cls(settings, runner, worker, engine, repo, snapshots, kv, sessions)
+        snapshots = SnapshotService(settings.cache, settings.snapshot_path, repo, runner.info, counters=counters)
+        kv = KVManager(worker, runner.info, settings.cache, snapshots, counters=counters)
+        turns = TurnRunner(settings, repo, ChatTemplate(runner.tokenizer), runner.info, worker, kv, counters)
+        tiers = Tiers(kv, snapshots)
+        sessions = SessionService(turns, tiers)
+        core = cls(settings, runner, worker, engine, repo, snapshots, kv, sessions, counters, tiers)
         try:
             await snapshots.startup(await repo.all_session_ids())
             if background:
@@ -91,3 +149,82 @@ class Chatd:
             self.worker.stop()
             self.snapshots.close()
             await self.engine.dispose()
+
+    # ------------------------------------------------------------------ reading
+
+    def tier(self, session_id: str) -> Tier:
+        """Where the session's cache is now (``"none"`` also for an unknown session)."""
+        return self.tiers.tier(session_id)
+
+    async def stats(self) -> Stats:
+        """State and totals now, with the number of stored sessions (one read of the store)."""
+        num_sessions = await self.repo.count_sessions()
+        return self.live_stats(num_sessions=num_sessions)
+
+    def live_stats(self, *, num_sessions: int | None = None) -> Stats:
+        """State and totals now without reading the store: for scrapes, which must not wait.
+        ``num_sessions`` is reported as given (None: not counted)."""
+        return build_stats(counters=self.counters, tiers=self.tiers, kv=self.kv, snapshots=self.snapshots,
+                              info=self.runner.info, num_generating=self.sessions.num_generating,
+                              num_sessions=num_sessions)
+
+    def on_turn(self, hook: Callable[[TurnResult], None]) -> None:
+        """Call ``hook`` with every committed turn, on the event loop, before its client hears of it.
+        A hook that raises is logged and does not affect the turn."""
+        self.sessions.turns.on_turn.append(hook)
+
+    async def list_sessions(self, tier: Tier | None = None, *, limit: int = 50, offset: int = 0) -> SessionListing:
+        """A page of sessions, most recently active first; ``tier`` keeps those whose cache is there now."""
+        session_ids: list[str] | None = None
+        if tier is not None:
+            candidates = await self.repo.all_session_ids() if tier == "none" else self.tiers.cached_session_ids()
+            session_ids = sorted(s for s in candidates if self.tiers.tier(s) == tier)
+        records = await self.repo.list_sessions(limit=limit, offset=offset, session_ids=session_ids)
+        total = await self.repo.count_sessions(session_ids)
+        return SessionListing([await self._summary(r) for r in records], total)
+
+    async def session_detail(self, session_id: str) -> SessionDetail:
+        """The session, its messages with their token spans, and how much of it is cached.
+        Raises NotFound."""
+        record = await self.repo.get_session(session_id)
+        if record is None:
+            raise NotFound("no such session")
+        template = self.sessions.template
+        messages = []
+        position = 0
+        for m in await self.repo.get_messages(session_id):
+            start, end = template.content_span(m.role, m.index, m.token_ids)
+            messages.append(MessageLayout(
+                to_message(m, with_usage=True), num_tokens=len(m.token_ids),
+                token_span=(position, position + len(m.token_ids)), content_span=(position + start, position + end)))
+            position += len(m.token_ids)
+        summary = await self._summary(record)
+        return SessionDetail(summary, messages, cached_tokens=len(self.kv.cached_ids(session_id) or []))
+
+    async def _summary(self, record: SessionRecord) -> SessionSummary:
+        session_id = record.session_id
+        on_disk = await self.snapshots.record(session_id)
+        info = self.sessions.session_info(record)
+        return SessionSummary(info, kv_bytes=self.kv.kv_bytes(session_id),
+                              snapshot_bytes=on_disk.file_bytes if on_disk else 0,
+                              last_active=record.updated_at, generating=self.sessions.is_generating(session_id))
+
+    # ------------------------------------------------------------------ operator actions
+
+    async def evict(self, session_id: str) -> ActionOutcome:
+        """Snapshot the session's cache (unless already on disk) and free its memory. ``done`` is False
+        when it was not resident or the snapshot could not be written. Raises NotFound, and Busy while
+        the session generates."""
+        done = await self.sessions.evict(session_id)
+        return ActionOutcome(done, self.tier(session_id))
+
+    async def restore(self, session_id: str) -> ActionOutcome:
+        """Load the session's cache now (from its snapshot, or recomputed when there is none); ``done``
+        says it is resident afterwards. Raises NotFound."""
+        restored = await self.sessions.restore(session_id)
+        return ActionOutcome(restored == "device", self.tier(session_id))
+
+    async def delete(self, session_id: str) -> bool:
+        """Delete the session, its messages, edit history and snapshot (a running generation is
+        cancelled first). False when there was no such session."""
+        return await self.sessions.delete(session_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Final, Literal, get_args
 
@@ -64,3 +65,25 @@ class SessionRecord(BaseModel):
     """Messages in the active conversation (archived ones excluded)."""
     token_count: int
     """Sum of the active messages' token counts."""
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """What the store remembers about a session's one KV snapshot file. The KV layer writes and reads
+    these; the store keeps them in its ``snapshots`` table, column for column."""
+
+    session_id: str
+    file_name: str
+    num_tokens: int
+    """How many token ids (and K/V positions) the snapshot holds."""
+    file_bytes: int
+    """Size of the compressed file."""
+    raw_bytes: int
+    """Size of the K/V it holds, uncompressed, in the model's dtype."""
+    fingerprint: str
+    """sha256 of the model's fingerprint (name, weights hash, dtype, shapes): a snapshot of another
+    model is never restored."""
+    ids_digest: str
+    """sha256 of the token ids, little-endian uint32."""
+    created_at: datetime
+    """Timezone-aware UTC."""

@@ -14,17 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from chatd.domain import SessionRecord, Tier, new_session_id
 from chatd.errors import Busy, ChatdError, ContextLengthExceeded, Internal, NotFound, TooLarge
 from chatd.protocol import GenerationParams, Message, SessionInfo
+from chatd.stats import Tiers
 from chatd.store.repo import MessageRecord
 from chatd.tasks import TaskSet
-from chatd.turns import EditResult, Turn, TurnResult, TurnRunner, to_message
-
-__all__ = ["EditResult", "SessionService", "Turn", "TurnResult"]
+from chatd.turns import Turn, TurnRunner, to_message
 
 log = logging.getLogger(__name__)
 
@@ -32,29 +31,13 @@ log = logging.getLogger(__name__)
 class SessionService:
     """Session operations for the edges (websocket, admin, terminal); turns run through ``turns``."""
 
-    def __init__(self, turns: TurnRunner) -> None:
+    def __init__(self, turns: TurnRunner, tiers: Tiers) -> None:
         self.turns = turns
+        self.tiers = tiers
         self.settings, self.repo, self.template, self.info, self.kv = (
             turns.settings, turns.repo, turns.template, turns.info, turns.kv)
         self._claims: dict[str, Turn | str] = {}
         self._background = TaskSet()
-
-    @property
-    def on_turn(self) -> list[Callable[[TurnResult], None]]:
-        """Hooks called with every committed turn (metrics)."""
-        return self.turns.on_turn
-
-    @property
-    def num_turns(self) -> int:
-        return self.turns.num_turns
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.turns.num_cached_tokens
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.turns.num_prefill_tokens
 
     # ------------------------------------------------------------------ helpers
 
@@ -80,15 +63,9 @@ class SessionService:
             raise NotFound("no such session")
         return record
 
-    async def tier_of(self, session_id: str) -> Tier:
-        if self.kv.is_resident(session_id):
-            return "device"
-        if self.kv.snapshots is not None and await self.kv.snapshots.record(session_id) is not None:
-            return "disk"
-        return "none"
-
-    async def session_info(self, record: SessionRecord, tier: Tier | None = None) -> SessionInfo:
-        return SessionInfo.of(record, tier or await self.tier_of(record.session_id))
+    def session_info(self, record: SessionRecord) -> SessionInfo:
+        """The wire form of a session: its record and where its cache is now."""
+        return SessionInfo.of(record, self.tiers.tier(record.session_id))
 
     # ------------------------------------------------------------------ sessions
 
@@ -104,12 +81,12 @@ class SessionService:
                 raise ContextLengthExceeded("the system prompt does not fit the model's context")
             await self.repo.append_message(session_id, "system", system, ids)
             record = await self._require(session_id)
-        return await self.session_info(record, "none")
+        return self.session_info(record)
 
     async def get(self, session_id: str) -> tuple[SessionInfo, list[MessageRecord]]:
         record = await self._require(session_id)
         messages = await self.repo.get_messages(session_id)
-        return await self.session_info(record), messages
+        return self.session_info(record), messages
 
     async def resume(self, session_id: str) -> tuple[SessionInfo, list[Message]]:
         """The session and its messages; restoring its cache starts right away in the background."""

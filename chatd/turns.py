@@ -27,6 +27,7 @@ from chatd.engine.worker import EngineWorker, GenerationFailed, GenerationHandle
 from chatd.errors import BadRequest, ContextLengthExceeded, NotFound, TooLarge
 from chatd.kv.manager import KVManager, Lease, common_prefix_len
 from chatd.protocol import GenerationParams, Message, Usage
+from chatd.stats import Counters
 from chatd.store.repo import MessageRecord, Repo, SessionRecord
 
 log = logging.getLogger(__name__)
@@ -145,11 +146,9 @@ class TurnRunner:
     info: ModelInfo
     worker: EngineWorker
     kv: KVManager
+    counters: Counters
     on_turn: list[Callable[[TurnResult], None]] = field(default_factory=list)
     """Hooks called with every committed turn (metrics)."""
-    num_turns: int = 0
-    num_cached_tokens: int = 0
-    num_prefill_tokens: int = 0
 
     async def _require(self, session_id: str) -> SessionRecord:
         record = await self.repo.get_session(session_id)
@@ -271,9 +270,7 @@ class TurnRunner:
         )
         assistant = await self.repo.append_message(turn.session_id, "assistant", text, ids,
                                                    finish_reason=reason, usage=usage.model_dump())
-        self.num_turns += 1
-        self.num_cached_tokens += usage.cached_tokens
-        self.num_prefill_tokens += usage.prefill_tokens
+        self.counters.count_turn(cached_tokens=usage.cached_tokens, prefill_tokens=usage.prefill_tokens)
         done = TurnResult(turn.session_id, to_message(user), to_message(assistant), reason, usage)
         for hook in self.on_turn:
             try:

@@ -19,7 +19,7 @@ from chatd.core import Chatd
 from chatd.engine.runner import ModelRunner
 from chatd.errors import ContextLengthExceeded
 from chatd.protocol import GenerationParams, Usage
-from chatd.sessions import TurnResult
+from chatd.turns import TurnResult
 
 SettingsFactory = Callable[..., Settings]
 
@@ -61,20 +61,20 @@ async def test_many_sessions_under_a_small_budget(make_settings: SettingsFactory
         tiers: list[str] = []
         for step, (s, t) in enumerate(script):
             text = f"message {t} of session {s}"
-            before = len(core.kv.stats.eviction_log)
+            before = len(core.counters.eviction_log)
             got = await turn(core, ids[s], text, seed=100 * s + t)
             want = await turn(twin, twin_ids[s], text, seed=100 * s + t)
             assert got.assistant_message.content == want.assistant_message.content, (step, s, t)
             assert core.kv.resident_bytes <= core.kv.budget_bytes, step
-            evicted = [sid for sid, reason in list(core.kv.stats.eviction_log)[before:]]
+            evicted = [sid for sid, reason in list(core.counters.eviction_log)[before:]]
             expected = [ids[i] for i in lru if i != s][: len(evicted)]
             assert evicted == expected, f"step {step}: evicted out of LRU order"
             lru = [i for i in lru if ids[i] not in evicted and i != s] + [s]
             assert sorted(core.kv.resident_ids()) == sorted(ids[i] for i in lru)
             tiers.append(got.usage.cache_tier)
-        assert core.kv.stats.evictions >= 10
+        assert core.counters.num_evictions >= 10
         assert "disk" in tiers  # evicted sessions came back from their snapshots
-        assert core.kv.stats.restores >= 8 and core.kv.stats.restore_failures == 0
+        assert core.counters.num_restores >= 8 and core.counters.num_restore_failures == 0
 
 
 async def test_restore_is_bit_exact(make_settings: SettingsFactory, tiny_dir: Path, tiny_runner: ModelRunner) -> None:
@@ -114,11 +114,11 @@ async def test_disk_full_keeps_serving_and_loses_nothing(make_settings: Settings
         # An operator eviction that cannot write keeps the session resident.
         assert not await core.sessions.evict(a)
         assert core.kv.is_resident(a)
-        assert core.kv.stats.snapshot_write_failures == 1
+        assert core.counters.num_snapshot_write_failures == 1
         # Room is still made when needed: the victim falls back to recompute later.
         b = (await core.sessions.create()).session_id
         await turn(core, b, "a different session that needs the room " * 5, 2)
-        assert core.kv.stats.eviction_log[-1] == (a, "room")
+        assert core.counters.eviction_log[-1] == (a, "room")
         assert not core.kv.is_resident(a)
         again = await turn(core, a, "are you there?", 3)
         twin_again = await turn(twin, ta, "are you there?", 3)
@@ -180,7 +180,7 @@ async def test_corrupt_or_foreign_snapshots_are_recomputed(make_settings: Settin
         want = await turn(twin, tid, "still right?", 2)
         assert got.usage.cache_tier == "none" and got.usage.cached_tokens == 0
         assert got.assistant_message.content == want.assistant_message.content
-        assert core.kv.stats.restore_failures == 1
+        assert core.counters.num_restore_failures == 1
         assert await core.snapshots.record(sid) is None and not path.exists()
         assert await core.sessions.evict(sid)
     # Another model's weights: its snapshots are dropped at start, the session recomputes.
@@ -201,7 +201,7 @@ async def test_short_histories_are_recomputed_not_restored(make_settings: Settin
         await turn(core, sid, "short", 1)
         assert await core.sessions.evict(sid)
         result = await turn(core, sid, "again", 2)
-        assert result.usage.cache_tier == "none" and core.kv.stats.restores == 0
+        assert result.usage.cache_tier == "none" and core.counters.num_restores == 0
 
 
 async def test_idle_sessions_are_persisted_then_evicted(make_settings: SettingsFactory, tiny_dir: Path,
@@ -215,12 +215,12 @@ async def test_idle_sessions_are_persisted_then_evicted(make_settings: SettingsF
         await asyncio.sleep(0.3)
         await core.kv.tick()
         assert core.kv.is_resident(sid) and await core.snapshots.record(sid) is not None  # persisted, resident
-        writes = core.kv.stats.snapshot_writes
+        writes = core.counters.num_snapshot_writes
         await asyncio.sleep(0.4)
         await core.kv.tick()
         assert not core.kv.is_resident(sid)
-        assert core.kv.stats.snapshot_writes == writes  # already on disk: eviction wrote nothing
-        assert core.kv.stats.evictions_idle == 1
+        assert core.counters.num_snapshot_writes == writes  # already on disk: eviction wrote nothing
+        assert core.counters.num_evictions_idle == 1
         result = await turn(core, sid, "back", 2)
         assert result.usage.cache_tier == "disk"
 

@@ -19,7 +19,7 @@ from chatd.engine.sampling import SamplingError, SamplingParams, make_generator,
 from chatd.errors import ChatdError, Internal
 from chatd.protocol import GenerationParams
 from chatd.server.app import create_app
-from chatd.sessions import TurnResult
+from chatd.turns import TurnResult
 
 
 def test_tiny_temperatures_resolve_to_greedy() -> None:

@@ -10,7 +10,7 @@ import pytest
 from chatd.core import Chatd
 from chatd.errors import BadRequest, Busy, ContextLengthExceeded, NotFound
 from chatd.protocol import GenerationParams
-from chatd.sessions import EditResult, TurnResult
+from chatd.turns import EditResult, TurnResult
 
 
 def greedy(n: int) -> GenerationParams:

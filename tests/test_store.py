@@ -30,10 +30,11 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from chatd.domain import SnapshotRecord
 from chatd.errors import BadRequest, NotFound
 from chatd.store.db import create_engine, downgrade_async, make_sessionmaker, upgrade_async
 from chatd.store.models import Base, pack_token_ids, unpack_token_ids
-from chatd.store.repo import Repo, SnapshotRecord
+from chatd.store.repo import Repo
 
 INSTALL_HINT = (
     "the PostgreSQL store tests need Debian's server binaries and asyncpg: "

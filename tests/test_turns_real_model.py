@@ -7,7 +7,7 @@ import torch
 
 from chatd.core import Chatd
 from chatd.protocol import GenerationParams
-from chatd.sessions import TurnResult
+from chatd.turns import TurnResult
 from tests.support import reference_greedy
 
 pytestmark = pytest.mark.real_model

@@ -33,6 +33,7 @@ from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelRunner
 from chatd.engine.sampling import SamplingParams, make_generator, sample
 from chatd.errors import Internal
+from chatd.stats import Counters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -129,7 +130,8 @@ _STOP = object()
 class EngineWorker:
     """Owns the device. Start once, submit from the event loop, stop at shutdown."""
 
-    def __init__(self, runner: ModelRunner, *, prefill_chunk_tokens: int = 256, max_batch_size: int = 16) -> None:
+    def __init__(self, runner: ModelRunner, *, prefill_chunk_tokens: int = 256, max_batch_size: int = 16,
+                 counters: Counters | None = None) -> None:
         self.runner = runner
         # The event loop encodes with runner.tokenizer while this thread decodes; a fast tokenizer is
         # one Rust object that must not be borrowed from two threads at once, so decode with a copy.
@@ -143,10 +145,8 @@ class EngineWorker:
         self._prefill_turn = False
         # Set (once) when the thread ended on an error it could not contain; then every job and call fails.
         self.failure: BaseException | None = None
-        # Counters read by metrics (written only by the worker thread).
-        self.num_prefill_tokens = 0
-        self.num_decode_tokens = 0
-        self.num_decode_steps = 0
+        # Its num_engine_* totals are written only by the worker thread.
+        self.counters = counters if counters is not None else Counters()
 
     # ------------------------------------------------------------------ lifecycle (event loop side)
 
@@ -313,7 +313,7 @@ class EngineWorker:
             self._prefilling.remove(job)
             self._fail(job, exc)
             return max(len(chunk), 1)
-        self.num_prefill_tokens += len(chunk)
+        self.counters.num_engine_prefill_tokens += len(chunk)
         job.prefill_pos += len(chunk)
         if job.prefill_pos < len(job.prefill_ids):
             # Round robin among prefilling jobs, chunk by chunk.
@@ -338,8 +338,8 @@ class EngineWorker:
                 self._decoding.remove(job)
                 self._fail(job, exc)
             return
-        self.num_decode_steps += 1
-        self.num_decode_tokens += len(batch)
+        self.counters.num_engine_decode_steps += 1
+        self.counters.num_engine_decode_tokens += len(batch)
         for row, job in enumerate(batch):
             job.pending = None
             if not self._sample_and_accept(job, logits[row]):

@@ -17,9 +17,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,11 +27,14 @@ from chatd.config import CacheSettings
 from chatd.domain import Tier
 from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelInfo
-from chatd.engine.worker import EngineWorker
 from chatd.errors import ContextLengthExceeded, SnapshotError
 from chatd.kv import policy
+from chatd.stats import Counters, EvictionReason
+from chatd.tasks import TaskSet
 
 if TYPE_CHECKING:
+    # Types only: the worker module pulls in sampling and, through it, the wire protocol.
+    from chatd.engine.worker import EngineWorker
     from chatd.kv.persistence import SnapshotService
 
 log = logging.getLogger(__name__)
@@ -85,23 +87,10 @@ class Lease:
         return self.prompt_ids[self.num_cached:]
 
 
-@dataclass
-class KVStats:
-    evictions: int = 0
-    evictions_idle: int = 0
-    evictions_for_room: int = 0
-    snapshot_writes: int = 0
-    snapshot_write_failures: int = 0
-    restores: int = 0
-    restore_failures: int = 0
-    restore_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
-    # Most recent evictions, oldest first: (session_id, reason) with reason room | idle | admin.
-    eviction_log: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=1000))
-
-
 class KVManager:
     def __init__(self, worker: EngineWorker, info: ModelInfo, settings: CacheSettings,
-                 snapshots: SnapshotService | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+                 snapshots: SnapshotService | None = None, *, counters: Counters | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.worker = worker
         self.info = info
         self.settings = settings
@@ -109,11 +98,12 @@ class KVManager:
         self.clock = clock
         self.budget_bytes = int(settings.device_budget_mb * 1024 * 1024)
         self.bytes_per_token = info.bytes_per_token
-        self.stats = KVStats()
+        self.counters = counters if counters is not None else Counters()
         self._entries: dict[str, _Entry] = {}
         self._room = asyncio.Condition()
         self._background: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Future[object]] = set()
+        # Frees, spare-capacity trims and room notifications that nobody waits for.
+        self._tasks = TaskSet()
 
     # ------------------------------------------------------------------ queries
 
@@ -216,8 +206,8 @@ class KVManager:
             entry.last_used = self.clock()
             cache = lease.cache
             if cache.capacity - cache.length > SPARE_TOKENS:
-                self._spawn(self.worker.call(lambda: cache.reserve(cache.length + SPARE_TOKENS)))
-        self._spawn(self._notify_room())
+                self._tasks.spawn(self.worker.call(lambda: cache.reserve(cache.length + SPARE_TOKENS)))
+        self._tasks.spawn(self._notify_room())
 
     async def _notify_room(self) -> None:
         async with self._room:
@@ -250,7 +240,7 @@ class KVManager:
             finally:
                 await self._room.acquire()
 
-    def _evict(self, session_id: str, *, reason: str) -> Awaitable[bool]:
+    def _evict(self, session_id: str, *, reason: EvictionReason) -> Awaitable[bool]:
         """Snapshot (unless already on disk) and free one idle cache; resolves to whether it did.
 
         The entry is marked busy synchronously, before this returns, so a caller may release the
@@ -264,7 +254,7 @@ class KVManager:
             return _resolved(True)
         return self._evict_after_write(entry, self._start_io(entry, self._persist(entry)), reason)
 
-    async def _evict_after_write(self, entry: _Entry, write: asyncio.Task[bool], reason: str) -> bool:
+    async def _evict_after_write(self, entry: _Entry, write: asyncio.Task[bool], reason: EvictionReason) -> bool:
         ok = await self._wait_task(write)
         if entry.busy or self._entries.get(entry.session_id) is not entry:
             return False  # a turn claimed it meanwhile; the snapshot stays valid as a prefix
@@ -273,20 +263,15 @@ class KVManager:
         self._evicted(entry, reason)
         return True
 
-    def _evicted(self, entry: _Entry, reason: str) -> None:
+    def _evicted(self, entry: _Entry, reason: EvictionReason) -> None:
         self._forget(entry)
-        self.stats.evictions += 1
-        self.stats.eviction_log.append((entry.session_id, reason))
-        if reason == "idle":
-            self.stats.evictions_idle += 1
-        elif reason == "room":
-            self.stats.evictions_for_room += 1
+        self.counters.count_eviction(entry.session_id, reason)
 
     def _forget(self, entry: _Entry) -> None:
         if self._entries.get(entry.session_id) is entry:
             del self._entries[entry.session_id]
         cache = entry.cache
-        self._spawn(self.worker.call(cache.free))
+        self._tasks.spawn(self.worker.call(cache.free))
 
     # ------------------------------------------------------------------ snapshots
 
@@ -324,10 +309,10 @@ class KVManager:
         try:
             await self.snapshots.save(entry.session_id, ids, layers)
         except (OSError, SnapshotError) as exc:
-            self.stats.snapshot_write_failures += 1
+            self.counters.num_snapshot_write_failures += 1
             log.warning("snapshot of session %s failed, it stays in memory: %s", entry.session_id[:8], exc)
             return False
-        self.stats.snapshot_writes += 1
+        self.counters.num_snapshot_writes += 1
         entry.persisted = entry.cached_ids == ids
         return True
 
@@ -348,7 +333,7 @@ class KVManager:
             snapshot_ids = await self.snapshots.read_ids(session_id)
         except (OSError, SnapshotError) as exc:
             log.warning("snapshot of session %s unusable, recomputing: %s", session_id[:8], exc)
-            self.stats.restore_failures += 1
+            self.counters.num_restore_failures += 1
             await self.snapshots.delete(session_id)
             return None
         reuse = min(common_prefix_len(snapshot_ids, prompt), reuse_limit)
@@ -363,7 +348,7 @@ class KVManager:
             await self.snapshots.load_into(session_id, snapshot_ids, cache, self.worker)
         except (OSError, SnapshotError) as exc:
             log.warning("restore of session %s failed, recomputing: %s", session_id[:8], exc)
-            self.stats.restore_failures += 1
+            self.counters.num_restore_failures += 1
             await self.snapshots.delete(session_id)
             entry.cached_ids = []
             await self.worker.call(lambda: cache.truncate(0))
@@ -371,8 +356,7 @@ class KVManager:
         await self.worker.call(lambda: cache.truncate(reuse))
         entry.cached_ids = list(snapshot_ids[:reuse])
         elapsed = self.clock() - started
-        self.stats.restores += 1
-        self.stats.restore_seconds.append(elapsed)
+        self.counters.count_restore(elapsed)
         return Lease(session_id, cache, prompt, reuse, "disk", round(elapsed * 1000, 2))
 
     # ------------------------------------------------------------------ operator actions
@@ -424,6 +408,8 @@ class KVManager:
             self._background = asyncio.ensure_future(self._background_loop(interval_s))
 
     async def stop(self) -> None:
+        """Stop background maintenance and wait for snapshot I/O and the frees and trims already
+        handed to the worker, so the worker can be stopped right after :meth:`persist_all`."""
         if self._background is not None:
             self._background.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -433,6 +419,7 @@ class KVManager:
             if entry.io is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(entry.io)
+        await self._tasks.join()
 
     async def persist_all(self) -> int:
         """Snapshot every idle resident session not on disk yet (graceful shutdown). Returns how many."""
@@ -464,11 +451,6 @@ class KVManager:
                 await self.tick()
             except Exception:
                 log.exception("background cache maintenance failed")
-
-    def _spawn(self, awaitable: Awaitable[object]) -> None:
-        task = asyncio.ensure_future(awaitable)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 async def _resolved(value: bool) -> bool:

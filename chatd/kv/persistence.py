@@ -21,19 +21,23 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
 from chatd.config import CacheSettings
+from chatd.domain import SnapshotRecord
 from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelInfo
-from chatd.engine.worker import EngineWorker
 from chatd.errors import SnapshotModelMismatch
 from chatd.kv import policy
 from chatd.kv.snapshot import ModelFingerprint, allocate_targets, read_info, read_snapshot, write_snapshot
 from chatd.kv.snapshot_store import SnapshotStore
-from chatd.store.repo import Repo, SnapshotRecord
+from chatd.stats import Counters
+
+if TYPE_CHECKING:
+    # Types only: the worker module pulls in sampling and, through it, the wire protocol.
+    from chatd.engine.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,6 +45,23 @@ T = TypeVar("T")
 # Starting estimates before anything was measured on this machine (updated as turns run).
 _INITIAL_PREFILL_TPS = {"cpu": 300.0, "cuda": 20_000.0}
 _INITIAL_RESTORE_BPS = 200e6
+
+
+class SnapshotIndex(Protocol):
+    """The durable list of snapshot records this service keeps beside the files (the store's Repo is
+    one). Each call is atomic; the service holds the only writer for snapshot records."""
+
+    async def list_snapshots(self) -> list[SnapshotRecord]:
+        """Every record."""
+        ...
+
+    async def put_snapshot(self, record: SnapshotRecord) -> None:
+        """Record (or replace) the session's one snapshot; raises when the session does not exist."""
+        ...
+
+    async def delete_snapshot(self, session_id: str) -> bool:
+        """Forget the session's record; False when there was none."""
+        ...
 
 
 def fingerprint_of(info: ModelInfo) -> ModelFingerprint:
@@ -53,10 +74,11 @@ def ids_digest(token_ids: Sequence[int]) -> str:
 
 
 class SnapshotService:
-    def __init__(self, settings: CacheSettings, folder: Path, repo: Repo, info: ModelInfo) -> None:
+    def __init__(self, settings: CacheSettings, folder: Path, index: SnapshotIndex, info: ModelInfo, *,
+                 counters: Counters | None = None) -> None:
         self.settings = settings
         self.store = SnapshotStore(folder)
-        self.repo = repo
+        self.index = index
         self.info = info
         self.fingerprint = fingerprint_of(info)
         self.disk_budget_bytes = int(settings.disk_budget_mb * 1024 * 1024)
@@ -65,8 +87,7 @@ class SnapshotService:
             restore_bytes_per_s=_INITIAL_RESTORE_BPS)
         self._records: dict[str, SnapshotRecord] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatd-snapshot-io")
-        self.num_deleted_for_budget = 0
-        self.bytes_written = 0
+        self.counters = counters if counters is not None else Counters()
 
     async def _in_io(self, fn: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
@@ -81,7 +102,7 @@ class SnapshotService:
         """Reconcile files and records: orphan files (no session, or no record) and records without a
         file go; files from another model go (they could never be restored)."""
         known = set(known_session_ids)
-        records = {r.session_id: r for r in await self.repo.list_snapshots()}
+        records = {r.session_id: r for r in await self.index.list_snapshots()}
         files: dict[str, int] = await self._in_io(self.store.list)
         for session_id in list(files):
             if session_id not in known or session_id not in records:
@@ -90,7 +111,7 @@ class SnapshotService:
         for session_id, record in records.items():
             if session_id not in files or record.fingerprint != self.fingerprint.digest():
                 await self._in_io(self.store.delete, session_id)
-                await self.repo.delete_snapshot(session_id)
+                await self.index.delete_snapshot(session_id)
                 continue
             self._records[session_id] = record
         if self._records:
@@ -100,6 +121,10 @@ class SnapshotService:
 
     async def record(self, session_id: str) -> SnapshotRecord | None:
         return self._records.get(session_id)
+
+    def has(self, session_id: str) -> bool:
+        """True while the session has a snapshot this service would try to restore."""
+        return session_id in self._records
 
     def records(self) -> dict[str, SnapshotRecord]:
         return dict(self._records)
@@ -127,9 +152,9 @@ class SnapshotService:
             session_id=session_id, file_name=self.store.path_for(session_id).name, num_tokens=len(ids),
             file_bytes=file_bytes, raw_bytes=len(ids) * self.info.bytes_per_token,
             fingerprint=self.fingerprint.digest(), ids_digest=ids_digest(ids), created_at=datetime.now(UTC))
-        await self.repo.put_snapshot(record)
+        await self.index.put_snapshot(record)
         self._records[session_id] = record
-        self.bytes_written += file_bytes
+        self.counters.num_snapshot_bytes_written += file_bytes
         await self._enforce_disk_budget(keep=session_id)
         return record
 
@@ -189,7 +214,7 @@ class SnapshotService:
     async def delete(self, session_id: str) -> None:
         self._records.pop(session_id, None)
         await self._in_io(self.store.delete, session_id)
-        await self.repo.delete_snapshot(session_id)
+        await self.index.delete_snapshot(session_id)
 
     async def _enforce_disk_budget(self, *, keep: str) -> None:
         """Delete the oldest snapshots while the total exceeds the disk budget (those sessions will
@@ -200,5 +225,5 @@ class SnapshotService:
             if oldest is None:
                 return
             log.info("disk budget: deleting snapshot of session %s", oldest.session_id[:8])
-            self.num_deleted_for_budget += 1
+            self.counters.num_snapshots_deleted_for_budget += 1
             await self.delete(oldest.session_id)

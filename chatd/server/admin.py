@@ -1,4 +1,7 @@
-"""Session admin API: list, inspect, evict, restore, delete, stats. Bearer admin token on every route."""
+"""Session admin API: list, inspect, evict, restore, delete, stats. Bearer admin token on every route.
+
+Routes call the core's operations and render what they return; the JSON shapes are the contract in
+docs/protocol.md."""
 
 from __future__ import annotations
 
@@ -9,12 +12,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel
 
-from chatd.core import Chatd
+from chatd.core import Chatd, SessionSummary
 from chatd.domain import Tier
 from chatd.errors import NotFound, Unauthorized
 from chatd.protocol import Message, SessionInfo
-from chatd.sessions import to_message
-from chatd.store.repo import SessionRecord
+from chatd.stats import Stats
 
 
 def _core(request: Request) -> Chatd:
@@ -68,13 +70,9 @@ class ActionResult(BaseModel):
     tier: Tier
 
 
-async def _admin_session(core: Chatd, record: SessionRecord) -> AdminSession:
-    snapshot = await core.snapshots.record(record.session_id)
-    tier: Tier = "device" if core.kv.is_resident(record.session_id) else ("disk" if snapshot else "none")
-    info = await core.sessions.session_info(record, tier)
-    return AdminSession(**info.model_dump(), kv_bytes=core.kv.kv_bytes(record.session_id),
-                        snapshot_bytes=snapshot.file_bytes if snapshot else 0, last_active=record.updated_at,
-                        generating=core.sessions.is_generating(record.session_id))
+def _admin_session(summary: SessionSummary) -> AdminSession:
+    return AdminSession(**summary.info.model_dump(), kv_bytes=summary.kv_bytes, snapshot_bytes=summary.snapshot_bytes,
+                        last_active=summary.last_active, generating=summary.generating)
 
 
 @router.get("/sessions", response_model=SessionPage)
@@ -82,98 +80,73 @@ async def list_sessions(core: CoreDep, tier: Tier | None = None,
                         limit: Annotated[int, Query(ge=1, le=500)] = 50,
                         offset: Annotated[int, Query(ge=0)] = 0) -> SessionPage:
     """Sessions, most recently active first; ``tier`` filters by where their cache is now."""
-    ids: list[str] | None = None
-    if tier is not None:
-        resident = set(core.kv.resident_ids())
-        on_disk = set(core.snapshots.records()) - resident
-        if tier == "device":
-            ids = sorted(resident)
-        elif tier == "disk":
-            ids = sorted(on_disk)
-        elif tier == "none":
-            ids = [s for s in await core.repo.all_session_ids() if s not in resident and s not in on_disk]
-        else:
-            ids = []
-    records = await core.repo.list_sessions(limit=limit, offset=offset, session_ids=ids)
-    total = await core.repo.count_sessions(ids)
-    return SessionPage(sessions=[await _admin_session(core, r) for r in records], total=total, limit=limit,
+    listing = await core.list_sessions(tier, limit=limit, offset=offset)
+    return SessionPage(sessions=[_admin_session(s) for s in listing.sessions], total=listing.total, limit=limit,
                        offset=offset)
 
 
 @router.get("/sessions/{session_id}", response_model=SessionDetail)
 async def get_session(session_id: str, core: CoreDep) -> SessionDetail:
-    record = await core.repo.get_session(session_id)
-    if record is None:
-        raise NotFound("no such session")
-    template = core.sessions.template
-    messages = []
-    position = 0
-    for m in await core.repo.get_messages(session_id):
-        start, end = template.content_span(m.role, m.index, m.token_ids)
-        messages.append(MessageDetail(
-            **to_message(m, with_usage=True).model_dump(), num_tokens=len(m.token_ids),
-            token_span=(position, position + len(m.token_ids)), content_span=(position + start, position + end)))
-        position += len(m.token_ids)
-    base = await _admin_session(core, record)
-    return SessionDetail(**base.model_dump(), messages=messages,
-                         cached_tokens=len(core.kv.cached_ids(session_id) or []))
+    detail = await core.session_detail(session_id)
+    messages = [MessageDetail(**m.message.model_dump(), num_tokens=m.num_tokens, token_span=m.token_span,
+                              content_span=m.content_span) for m in detail.messages]
+    return SessionDetail(**_admin_session(detail.summary).model_dump(), messages=messages,
+                         cached_tokens=detail.cached_tokens)
 
 
 @router.post("/sessions/{session_id}/evict", response_model=ActionResult)
 async def evict_session(session_id: str, core: CoreDep) -> ActionResult:
     """Snapshot the session's cache to disk now and free its memory (409 while it generates)."""
-    done = await core.sessions.evict(session_id)
-    return ActionResult(session_id=session_id, done=done, tier=await core.sessions.tier_of(session_id))
+    outcome = await core.evict(session_id)
+    return ActionResult(session_id=session_id, done=outcome.done, tier=outcome.tier)
 
 
 @router.post("/sessions/{session_id}/restore", response_model=ActionResult)
 async def restore_session(session_id: str, core: CoreDep) -> ActionResult:
     """Load the session's cache now (from its snapshot, or recomputed when there is none)."""
-    tier = await core.sessions.restore(session_id)
-    return ActionResult(session_id=session_id, done=tier == "device", tier=await core.sessions.tier_of(session_id))
+    outcome = await core.restore(session_id)
+    return ActionResult(session_id=session_id, done=outcome.done, tier=outcome.tier)
 
 
 @router.delete("/sessions/{session_id}", status_code=204)
 async def delete_session(session_id: str, core: CoreDep) -> Response:
     """Delete the session, its messages, edit history and snapshot."""
-    if not await core.sessions.delete(session_id):
+    if not await core.delete(session_id):
         raise NotFound("no such session")
     return Response(status_code=204)
 
 
 @router.get("/stats")
 async def stats(core: CoreDep) -> dict[str, Any]:
-    kv, snaps, svc = core.kv, core.snapshots, core.sessions
-    resident = set(kv.resident_ids())
-    on_disk = set(snaps.records()) - resident
-    total_sessions = await core.repo.count_sessions()
-    prompt_tokens = svc.num_cached_tokens + svc.num_prefill_tokens
-    restore_s = kv.stats.restore_seconds
+    """Budget and use per tier, session counts, turn and cache totals, engine counters."""
+    return render_stats(await core.stats())
+
+
+def render_stats(stats: Stats) -> dict[str, Any]:
+    """The JSON of ``GET /admin/stats``."""
+    c = stats.counters
+    restore_ms_mean = stats.restore_ms_mean
     return {
-        "model": {"name": core.runner.info.name, "dtype": core.runner.info.dtype_name,
-                  "device": str(core.runner.info.device), "max_context": core.runner.info.max_context,
-                  "kv_bytes_per_token": core.runner.info.bytes_per_token},
-        "tiers": {
-            "device": {"budget_bytes": kv.budget_bytes, "used_bytes": kv.resident_bytes, "sessions": len(resident)},
-            "disk": {"budget_bytes": snaps.disk_budget_bytes, "used_bytes": snaps.disk_bytes,
-                     "sessions": len(on_disk)},
-        },
-        "sessions": {"total": total_sessions, "resident": len(resident), "evicted": len(on_disk),
-                     "generating": svc.num_generating},
-        "turns": svc.num_turns,
-        "cached_tokens": svc.num_cached_tokens,
-        "prefilled_tokens": svc.num_prefill_tokens,
-        "cached_token_ratio": round(svc.num_cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
-        "evictions": kv.stats.evictions,
-        "evictions_idle": kv.stats.evictions_idle,
-        "evictions_for_room": kv.stats.evictions_for_room,
-        "restores": kv.stats.restores,
-        "restore_failures": kv.stats.restore_failures,
-        "restore_ms_mean": round(1000 * sum(restore_s) / len(restore_s), 2) if restore_s else None,
-        "snapshot_writes": kv.stats.snapshot_writes,
-        "snapshot_write_failures": kv.stats.snapshot_write_failures,
-        "snapshot_bytes_written": snaps.bytes_written,
-        "snapshots_deleted_for_disk_budget": snaps.num_deleted_for_budget,
-        "engine": {"decode_steps": core.worker.num_decode_steps, "decoded_tokens": core.worker.num_decode_tokens,
-                   "prefilled_tokens": core.worker.num_prefill_tokens},
+        "model": {"name": stats.model.name, "dtype": stats.model.dtype, "device": stats.model.device,
+                  "max_context": stats.model.max_context, "kv_bytes_per_token": stats.model.kv_bytes_per_token},
+        "tiers": {use.tier: {"budget_bytes": use.budget_bytes, "used_bytes": use.used_bytes,
+                             "sessions": use.num_sessions} for use in stats.tiers},
+        "sessions": {"total": stats.num_sessions, "resident": stats.tier_use("device").num_sessions,
+                     "evicted": stats.tier_use("disk").num_sessions, "generating": stats.num_generating},
+        "turns": c.num_turns,
+        "cached_tokens": c.num_cached_tokens,
+        "prefilled_tokens": c.num_prefill_tokens,
+        "cached_token_ratio": round(stats.cached_token_ratio, 4),
+        "evictions": c.num_evictions,
+        "evictions_idle": c.num_evictions_idle,
+        "evictions_for_room": c.num_evictions_for_room,
+        "restores": c.num_restores,
+        "restore_failures": c.num_restore_failures,
+        "restore_ms_mean": round(restore_ms_mean, 2) if restore_ms_mean is not None else None,
+        "snapshot_writes": c.num_snapshot_writes,
+        "snapshot_write_failures": c.num_snapshot_write_failures,
+        "snapshot_bytes_written": c.num_snapshot_bytes_written,
+        "snapshots_deleted_for_disk_budget": c.num_snapshots_deleted_for_budget,
+        "engine": {"decode_steps": c.num_engine_decode_steps, "decoded_tokens": c.num_engine_decode_tokens,
+                   "prefilled_tokens": c.num_engine_prefill_tokens},
     }

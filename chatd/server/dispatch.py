@@ -30,7 +30,7 @@ from chatd.protocol import (
     Token,
     parse_client_frame,
 )
-from chatd.sessions import EditResult, Turn, TurnResult
+from chatd.turns import EditResult, Turn, TurnResult
 
 if TYPE_CHECKING:
     from chatd.config import ServerSettings

@@ -31,6 +31,7 @@ from chatd.domain import (
     SESSION_ID_MAX_CHARS,
     SESSION_ID_MIN_CHARS,
     SessionRecord,
+    SnapshotRecord,
     is_session_id,
 )
 from chatd.errors import BadRequest, NotFound
@@ -72,18 +73,6 @@ class EditRecord:
     created_at: datetime
     archived: tuple[MessageRecord, ...]
     """The messages this edit replaced, ordered by index."""
-
-
-@dataclass(frozen=True)
-class SnapshotRecord:
-    session_id: str
-    file_name: str
-    num_tokens: int
-    file_bytes: int
-    raw_bytes: int
-    fingerprint: str
-    ids_digest: str
-    created_at: datetime
 
 
 def _utcnow() -> datetime:
