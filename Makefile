@@ -1,5 +1,5 @@
 # The two commands the README gives. Both do their own set-up (scripts/setup.sh is idempotent).
-.PHONY: run test setup lint bench
+.PHONY: run test setup lint bench peer
 
 run:
 	@scripts/setup.sh
@@ -16,3 +16,7 @@ lint:
 bench:
 	@scripts/setup.sh
 	.venv/bin/python -m benchmarks $(ARGS)
+
+# llama.cpp's llama-server for the benchmarks' peer section, built once outside the checkout.
+peer:
+	@scripts/build-peer.sh

@@ -25,7 +25,7 @@ import zstandard
 from benchmarks.common import MB, Bench, Column, Corpus, Figure, median, ratio, tensors_equal, timed
 from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelRunner
-from chatd.kv.persistence import fingerprint_of
+from chatd.kv.persistence import fingerprint_of, finish_restore, read_snapshot_file, restore_targets
 from chatd.kv.snapshot import ModelFingerprint, allocate_targets, read_snapshot, write_snapshot
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -55,22 +55,15 @@ def drop_page_cache(path: Path) -> bool:
 
 def restore_file(bench: Bench, runner: ModelRunner, fingerprint: ModelFingerprint, path: Path,
                  ids: Sequence[int]) -> tuple[SessionKV, float]:
-    """Restore a snapshot file the way the KV manager does: into the cache's own preallocated buffers on
-    the CPU, or through host targets and one upload on an accelerator. Returns (cache, seconds)."""
+    """Restore a snapshot file through the KV manager's own three steps (chatd.kv.persistence:
+    targets, decode, finish), into a cache preallocated before the clock starts, like the manager's.
+    Returns (cache, seconds)."""
     cache = runner.new_cache()
-    cache.reserve(len(ids))  # preallocated before the clock starts, like the manager's _new_reserved
-    on_cpu = cache.device.type == "cpu"
-    host = None if on_cpu else allocate_targets(fingerprint, len(ids))
+    cache.reserve(len(ids))
     with timed(bench) as t:
-        targets = cache.fill_targets(len(ids)) if on_cpu else host
-        assert targets is not None
-        with path.open("rb") as f:
-            read_snapshot(f, expected=fingerprint, expected_ids=ids, targets=targets)
-        if not on_cpu:
-            for (dst_k, dst_v), (src_k, src_v) in zip(cache.fill_targets(len(ids)), targets, strict=True):
-                dst_k.copy_(src_k, non_blocking=True)
-                dst_v.copy_(src_v, non_blocking=True)
-        cache.set_length(len(ids))
+        targets = restore_targets(cache, len(ids), fingerprint)
+        read_snapshot_file(path, fingerprint, ids, targets)
+        finish_restore(cache, targets, len(ids))
     return cache, t[0]
 
 

@@ -29,13 +29,12 @@ from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelInfo
 from chatd.errors import ContextLengthExceeded, SnapshotError
 from chatd.kv import policy
+from chatd.kv.persistence import SnapshotService, finish_restore, restore_targets
 from chatd.stats import Counters, EvictionReason
 from chatd.tasks import TaskSet
 
 if TYPE_CHECKING:
-    # Types only: the worker module pulls in sampling and, through it, the wire protocol.
     from chatd.engine.worker import EngineWorker
-    from chatd.kv.persistence import SnapshotService
 
 log = logging.getLogger(__name__)
 
@@ -344,8 +343,13 @@ class KVManager:
         cache = await self.worker.call(lambda: _new_reserved(self.worker, need))
         entry = _Entry(session_id, cache, [], self.clock(), busy=True)
         self._entries[session_id] = entry
+        snapshots, n = self.snapshots, len(snapshot_ids)
         try:
-            await self.snapshots.load_into(session_id, snapshot_ids, cache, self.worker)
+            read_started = time.monotonic()
+            targets = await self.worker.call(lambda: restore_targets(cache, n, snapshots.fingerprint))
+            file_bytes = await snapshots.read_into(session_id, snapshot_ids, targets)
+            await self.worker.call(lambda: finish_restore(cache, targets, n))
+            snapshots.observe_restore(file_bytes, time.monotonic() - read_started)
         except (OSError, SnapshotError) as exc:
             log.warning("restore of session %s failed, recomputing: %s", session_id[:8], exc)
             self.counters.num_restore_failures += 1

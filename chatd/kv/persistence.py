@@ -16,12 +16,11 @@ import asyncio
 import hashlib
 import logging
 import struct
-import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -34,10 +33,6 @@ from chatd.kv import policy
 from chatd.kv.snapshot import ModelFingerprint, allocate_targets, read_info, read_snapshot, write_snapshot
 from chatd.kv.snapshot_store import SnapshotStore
 from chatd.stats import Counters
-
-if TYPE_CHECKING:
-    # Types only: the worker module pulls in sampling and, through it, the wire protocol.
-    from chatd.engine.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -171,38 +166,18 @@ class SnapshotService:
         ids: tuple[int, ...] = await self._in_io(read)
         return ids
 
-    async def load_into(self, session_id: str, token_ids: Sequence[int], cache: SessionKV,
-                        worker: EngineWorker) -> None:
-        """Decode the snapshot (whose ids must equal ``token_ids``) into ``cache``, which must not be in
-        use by any generation. Leaves ``cache.length == len(token_ids)``."""
+    async def read_into(self, session_id: str, token_ids: Sequence[int], targets: Layers) -> int:
+        """Decode the snapshot, whose ids must equal ``token_ids``, into ``targets`` (see
+        :func:`restore_targets`) on the I/O thread; return the file's size. Raises SnapshotError (the
+        file is unusable: recompute) or OSError."""
         ids = list(token_ids)
-        started = time.monotonic()
-        on_cpu = cache.device.type == "cpu"
-        if on_cpu:
-            # Straight into the cache's own buffers: no intermediate copy.
-            targets = await worker.call(lambda: cache.fill_targets(len(ids)))
-        else:
-            targets = allocate_targets(self.fingerprint, len(ids))
+        return await self._in_io(read_snapshot_file, self.store.path_for(session_id), self.fingerprint, ids, targets)
 
-        def read() -> int:
-            with self.store.open(session_id) as f:
-                read_snapshot(f, expected=self.fingerprint, expected_ids=ids, targets=targets)
-                return f.tell()
-
-        file_bytes: int = await self._in_io(read)
-        if on_cpu:
-            await worker.call(lambda: cache.set_length(len(ids)))
-        else:
-            def upload() -> None:
-                for (dst_k, dst_v), (src_k, src_v) in zip(cache.fill_targets(len(ids)), targets, strict=True):
-                    dst_k.copy_(src_k, non_blocking=True)
-                    dst_v.copy_(src_v, non_blocking=True)
-                cache.set_length(len(ids))
-            await worker.call(upload)
-        elapsed = time.monotonic() - started
+    def observe_restore(self, file_bytes: int, seconds: float) -> None:
+        """Feed a measured restore throughput into the restore-vs-recompute estimate."""
         self.cost = policy.CostModel(
             prefill_tokens_per_s=self.cost.prefill_tokens_per_s,
-            restore_bytes_per_s=policy.update_rate(self.cost.restore_bytes_per_s, file_bytes / max(elapsed, 1e-6)))
+            restore_bytes_per_s=policy.update_rate(self.cost.restore_bytes_per_s, file_bytes / max(seconds, 1e-6)))
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """Feed a measured prefill throughput into the restore-vs-recompute estimate."""
@@ -227,3 +202,35 @@ class SnapshotService:
             log.info("disk budget: deleting snapshot of session %s", oldest.session_id[:8])
             self.counters.num_snapshots_deleted_for_budget += 1
             await self.delete(oldest.session_id)
+
+
+# ----------------------------------------------------------------------------- the restore path
+# A restore is three steps: targets prepared on the engine thread, the file decoded into them on the
+# I/O thread, the cache completed on the engine thread. The KV manager runs them in production; the
+# benchmarks time the same three functions.
+
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def restore_targets(cache: SessionKV, num_tokens: int, fingerprint: ModelFingerprint) -> Layers:
+    """Engine thread. Where to decode ``num_tokens`` positions: the cache's own preallocated buffers on
+    the CPU (no intermediate copy), pinned host tensors on an accelerator."""
+    if cache.device.type == "cpu":
+        return cache.fill_targets(num_tokens)
+    return allocate_targets(fingerprint, num_tokens)
+
+
+def read_snapshot_file(path: Path, fingerprint: ModelFingerprint, token_ids: Sequence[int], targets: Layers) -> int:
+    """I/O thread. Decode the snapshot file at ``path`` into ``targets``; return the file's size."""
+    with path.open("rb") as f:
+        read_snapshot(f, expected=fingerprint, expected_ids=token_ids, targets=targets)
+        return f.tell()
+
+
+def finish_restore(cache: SessionKV, targets: Layers, num_tokens: int) -> None:
+    """Engine thread. Make the decoded positions the cache's contents (uploading them from host targets)."""
+    if cache.device.type != "cpu":
+        for (dst_k, dst_v), (src_k, src_v) in zip(cache.fill_targets(num_tokens), targets, strict=True):
+            dst_k.copy_(src_k, non_blocking=True)
+            dst_v.copy_(src_v, non_blocking=True)
+    cache.set_length(num_tokens)

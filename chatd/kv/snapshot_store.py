@@ -58,7 +58,7 @@ class SnapshotStore:
         return self._folder
 
     def path_for(self, session_id: str) -> Path:
-        """Final path of a session's snapshot. ValueError unless the id is 16..128 chars of [A-Za-z0-9_-]."""
+        """Final path of a session's snapshot. ValueError unless the id has the session-id format (chatd.domain)."""
         if not isinstance(session_id, str) or not is_session_id(session_id):
             raise ValueError(f"invalid session id {session_id!r}")
         return self._folder / f"{session_id}{SNAPSHOT_SUFFIX}"

@@ -1,0 +1,88 @@
+"""The layering rules of docs/architecture.md, checked on the source: data runs downhill.
+
+Imports are read with ``ast`` (also those inside functions and ``TYPE_CHECKING`` blocks: a rule that
+holds only at run time is not a rule).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "chatd"
+
+
+def chatd_imports(path: Path) -> set[str]:
+    """Every chatd module that ``path`` imports (absolute names)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "chatd")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] == "chatd":
+                found.add(node.module)
+                # `from chatd import x` may name a module
+                found.update(f"{node.module}.{alias.name}" for alias in node.names
+                             if (PACKAGE.parent / node.module.replace(".", "/") / f"{alias.name}.py").exists())
+    return found
+
+
+def modules_in(*parts: str) -> list[Path]:
+    return sorted((PACKAGE.joinpath(*parts)).rglob("*.py"))
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("layer", ["engine", "kv"])
+def test_engine_and_kv_never_import_the_edges(layer: str) -> None:
+    forbidden = ("chatd.protocol", "chatd.server", "chatd.store", "chatd.client", "chatd.sessions", "chatd.turns")
+    offenders = {
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in modules_in(layer) for name in chatd_imports(path)
+        if any(_within(name, f) for f in forbidden)
+    }
+    assert not offenders
+
+
+def test_store_imports_only_errors_and_the_domain() -> None:
+    allowed = ("chatd.errors", "chatd.domain", "chatd.store")
+    offenders = {
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in modules_in("store") for name in chatd_imports(path)
+        if not any(_within(name, a) for a in allowed)
+    }
+    assert not offenders
+
+
+def test_pure_core_modules_import_no_io_layers() -> None:
+    # The domain words and the wire models are shared by every layer, so they depend on nothing of chatd
+    # but the error tree (and the wire on the domain).
+    rules = {"domain.py": set(), "errors.py": set(), "protocol.py": {"chatd.errors", "chatd.domain"},
+             "kv/policy.py": set(), "kv/snapshot.py": {"chatd.errors"}}
+    for rel, allowed in rules.items():
+        extra = chatd_imports(PACKAGE / rel) - allowed
+        assert not extra, f"chatd/{rel} imports {sorted(extra)}"
+
+
+def test_only_one_module_hands_work_to_the_engine_thread() -> None:
+    callers = sorted(str(path.relative_to(PACKAGE.parent)) for path in modules_in()
+                     if "worker.call(" in path.read_text() and path.name != "worker.py")
+    assert callers == ["chatd/kv/manager.py"]
+
+
+def test_loading_the_engine_and_kv_layers_loads_no_edge_module() -> None:
+    # A fresh interpreter: what those modules pull in at run time, also indirectly.
+    modules = [f"chatd.{p.relative_to(PACKAGE).with_suffix('').as_posix().replace('/', '.')}"
+               for layer in ("engine", "kv") for p in modules_in(layer) if p.name != "__init__.py"]
+    code = f"import sys, {', '.join(modules)}; print('\\n'.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True,
+                            check=True).stdout.split()
+    assert "chatd.kv.manager" in loaded and "chatd.engine.worker" in loaded
+    forbidden = ("chatd.protocol", "chatd.server", "chatd.store", "chatd.client")
+    assert [name for name in loaded if any(_within(name, f) for f in forbidden)] == []
