@@ -18,7 +18,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from chatd.domain import SessionRecord, Tier, new_session_id
-from chatd.errors import Busy, ChatdError, ContextLengthExceeded, Internal, NotFound, TooLarge
+from chatd.errors import Busy, ChatdError, ContextLengthExceeded, Internal, TooLarge
 from chatd.protocol import GenerationParams, Message, SessionInfo
 from chatd.stats import Tiers
 from chatd.store.repo import MessageRecord
@@ -57,12 +57,6 @@ class SessionService:
     def num_generating(self) -> int:
         return sum(isinstance(c, Turn) for c in self._claims.values())
 
-    async def _require(self, session_id: str) -> SessionRecord:
-        record = await self.repo.get_session(session_id)
-        if record is None:
-            raise NotFound("no such session")
-        return record
-
     def session_info(self, record: SessionRecord) -> SessionInfo:
         """The wire form of a session: its record and where its cache is now."""
         return SessionInfo.of(record, self.tiers.tier(record.session_id))
@@ -80,11 +74,11 @@ class SessionService:
                 await self.repo.delete_session(session_id)
                 raise ContextLengthExceeded("the system prompt does not fit the model's context")
             await self.repo.append_message(session_id, "system", system, ids)
-            record = await self._require(session_id)
+            record = await self.turns.require(session_id)
         return self.session_info(record)
 
     async def get(self, session_id: str) -> tuple[SessionInfo, list[MessageRecord]]:
-        record = await self._require(session_id)
+        record = await self.turns.require(session_id)
         messages = await self.repo.get_messages(session_id)
         return self.session_info(record), messages
 
@@ -106,14 +100,14 @@ class SessionService:
 
     async def restore(self, session_id: str) -> Tier:
         """Load the session's cache now (operator action)."""
-        await self._require(session_id)
+        await self.turns.require(session_id)
         messages = await self.repo.get_messages(session_id)
         ids = self.template.conversation_ids(m.token_ids for m in messages)
         return await self.kv.restore(session_id, ids)
 
     async def evict(self, session_id: str) -> bool:
         """Snapshot to disk and free memory now. Raises Busy while the session generates."""
-        await self._require(session_id)
+        await self.turns.require(session_id)
         if session_id in self._claims:
             raise Busy("the session is generating")
         return await self.kv.evict(session_id)

@@ -150,7 +150,8 @@ class TurnRunner:
     on_turn: list[Callable[[TurnResult], None]] = field(default_factory=list)
     """Hooks called with every committed turn (metrics)."""
 
-    async def _require(self, session_id: str) -> SessionRecord:
+    async def require(self, session_id: str) -> SessionRecord:
+        """The session's record; NotFound when there is no such session."""
         record = await self.repo.get_session(session_id)
         if record is None:
             raise NotFound("no such session")
@@ -185,7 +186,7 @@ class TurnRunner:
         """Append a user message and generate the reply."""
         started = time.monotonic()
         self.check_content(content)
-        record = await self._require(turn.session_id)
+        record = await self.require(turn.session_id)
         messages = await self.repo.get_messages(turn.session_id)
         user_ids = self.template.message_ids("user", content, len(messages))
         prompt = self.template.prompt_ids([*(m.token_ids for m in messages), user_ids])
@@ -200,7 +201,7 @@ class TurnRunner:
         generate a new reply. The cache stays valid up to the first token that changed."""
         started = time.monotonic()
         self.check_content(content)
-        await self._require(turn.session_id)
+        await self.require(turn.session_id)
         messages = await self.repo.get_messages(turn.session_id)
         if not 0 <= index < len(messages):
             raise BadRequest(f"message index {index} out of range (the session has {len(messages)} messages)")
