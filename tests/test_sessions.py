@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -61,6 +62,19 @@ async def test_concurrent_sessions_interleave_and_match_solo_runs(tiny_core: Cha
         solo.append(await svc.send(info.session_id, text, greedy(20)).wait())
     sessions = [await svc.create() for _ in prompts]
     order: list[int] = []
+    # The engine takes its first step only once all three generations are queued (each turn first
+    # commits its user message, which may take longer than a whole reply on a busy machine).
+    worker = tiny_core.worker
+    real_step = worker._step
+    deadline = time.monotonic() + 30
+
+    def gated_step() -> None:
+        if worker.num_active < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.001)
+            return
+        real_step()
+
+    worker._step = gated_step  # type: ignore[method-assign]
 
     async def run(i: int) -> TurnResult:
         turn = svc.send(sessions[i].session_id, prompts[i], greedy(20))

@@ -1,0 +1,252 @@
+"""A compact forward for Llama-family decoders (Llama, SmolLM, Mistral, Qwen2-style qkv bias).
+
+transformers' modeling code is the loader and the reference; this module runs the same arithmetic
+with less in between: the Q/K/V projections fused into one matmul and gate/up into another, RoPE from
+a precomputed table, and attention straight over each session's own K/V buffers (``SessionKV``). Every
+projection is a :class:`Linear`: dense weights (any float dtype) or weight-only quantised ones, so the
+same forward runs the model at the precision that serves the device.
+
+Two entry points mirror the runner's: :meth:`LlamaForward.prefill` (one session, a run of new tokens)
+and :meth:`LlamaForward.decode` (one new token for each of several sessions, one batched pass through
+the projections). Both append the new positions' K/V to the caches and return logits in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from chatd.engine.kvcache import SessionKV
+
+# transformers' Llama-family configs this forward reproduces exactly; anything else keeps transformers.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+class Linear(Protocol):
+    """``y = x W^T (+ b)`` for ``x`` ``[M, in_features]`` fp32, returning ``[M, out_features]`` fp32."""
+
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseLinear:
+    """A dense projection; the weight may be stored in a lower precision than the activations."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # [out_features, in_features]
+        self.bias = bias  # [out_features] or None
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == x.dtype:
+            return F.linear(x, self.weight, self.bias)
+        out = F.linear(x.to(self.weight.dtype), self.weight, None if self.bias is None else self.bias)
+        return out.float()
+
+    @property
+    def num_bytes(self) -> int:
+        size = self.weight.numel() * self.weight.element_size()
+        return size + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_positions: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> LlamaShape:
+        """Raises ValueError for configs this forward does not reproduce exactly (other RoPE scalings,
+        sliding windows, other architectures)."""
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {config.model_type!r} is not a supported Llama-family decoder")
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"RoPE type {rope_type!r} is not supported by the compact forward")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {config.hidden_act!r} is not supported by the compact forward")
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise ValueError("sliding-window attention is not supported by the compact forward")
+        heads = config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab_size=config.vocab_size, rms_norm_eps=float(config.rms_norm_eps),
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            max_positions=int(config.max_position_embeddings),
+        )
+
+
+@dataclass
+class LlamaLayer:
+    attn_norm: torch.Tensor  # [hidden] fp32
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o: Linear  # heads * head_dim -> hidden
+    ffn_norm: torch.Tensor  # [hidden] fp32
+    gate_up: Linear  # hidden -> 2 * intermediate (gate rows first)
+    down: Linear  # intermediate -> hidden
+
+
+@dataclass
+class LlamaWeights:
+    shape: LlamaShape
+    embed: torch.Tensor  # [vocab, hidden] fp32, looked up one row per token
+    layers: list[LlamaLayer]
+    norm: torch.Tensor  # [hidden] fp32
+    lm_head: Linear  # hidden -> vocab
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the weights a decode step reads (the embedding is looked up, not read whole)."""
+        total = 0
+        for layer in self.layers:
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                total += int(getattr(linear, "num_bytes", 0))
+        return total + int(getattr(self.lm_head, "num_bytes", 0))
+
+
+def weights_from_transformers(model: Any, make_linear: Callable[[torch.Tensor, torch.Tensor | None], Linear]
+                              | None = None) -> LlamaWeights:
+    """Fuse a loaded transformers Llama-family model's weights for the compact forward.
+
+    ``make_linear(weight [out, in] fp32, bias)`` builds each projection (default: dense, in the model's
+    dtype). The model's tensors are copied into fused ones, so the model can be dropped afterwards.
+    """
+    shape = LlamaShape.from_config(model.config)
+    make = make_linear or (lambda w, b: DenseLinear(w, b))
+    inner = model.model
+    layers = []
+    for block in inner.layers:
+        attn, mlp = block.self_attn, block.mlp
+        qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        qkv_b = torch.cat(biases).detach() if all(b is not None for b in biases) else None
+        if getattr(mlp.gate_proj, "bias", None) is not None or getattr(attn.o_proj, "bias", None) is not None:
+            raise ValueError("biases outside the q/k/v projections are not supported by the compact forward")
+        layers.append(LlamaLayer(
+            attn_norm=block.input_layernorm.weight.detach().float(),
+            qkv=make(qkv_w, qkv_b),
+            o=make(attn.o_proj.weight.detach(), None),
+            ffn_norm=block.post_attention_layernorm.weight.detach().float(),
+            gate_up=make(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), None),
+            down=make(mlp.down_proj.weight.detach(), None),
+        ))
+    return LlamaWeights(shape=shape, embed=inner.embed_tokens.weight.detach().float(), layers=layers,
+                        norm=inner.norm.weight.detach().float(),
+                        lm_head=make(model.lm_head.weight.detach(), None))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [M, hidden] fp32; the same order of operations as transformers' LlamaRMSNorm
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+class LlamaForward:
+    """The compact forward over :class:`LlamaWeights`. Not thread-safe: the engine worker is its only caller."""
+
+    def __init__(self, weights: LlamaWeights, device: torch.device) -> None:
+        self.weights = weights
+        self.shape = s = weights.shape
+        self.device = device
+        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
+        positions = torch.arange(s.max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        table = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        self.cos = table.cos().to(device)
+        self.sin = table.sin().to(device)
+        self.scale = s.head_dim ** -0.5
+        self.group = s.num_heads // s.num_kv_heads
+
+    # ------------------------------------------------------------------ pieces
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [M, heads, head_dim]; positions: [M] int64
+        cos = self.cos[positions][:, None]  # [M, 1, head_dim]
+        sin = self.sin[positions][:, None]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _qkv(self, layer: LlamaLayer, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # h: [M, hidden] -> q [M, heads, head_dim], k and v [M, kv_heads, head_dim], RoPE applied to q and k
+        s = self.shape
+        qkv = layer.qkv(_rms_norm(h, layer.attn_norm, s.rms_norm_eps))
+        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                             s.num_kv_heads * s.head_dim], dim=-1)
+        q = self._rope(q.view(-1, s.num_heads, s.head_dim), positions)
+        k = self._rope(k.view(-1, s.num_kv_heads, s.head_dim), positions)
+        return q, k, v.view(-1, s.num_kv_heads, s.head_dim)
+
+    def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = layer.gate_up(_rms_norm(h, layer.ffn_norm, self.shape.rms_norm_eps)).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [M, hidden] (the positions whose logits are wanted) -> [M, vocab] fp32
+        return self.weights.lm_head(_rms_norm(h, self.weights.norm, self.shape.rms_norm_eps)).float()
+
+    # ------------------------------------------------------------------ entry points
+
+    @torch.inference_mode()
+    def prefill(self, cache: SessionKV, token_ids: Sequence[int]) -> torch.Tensor:
+        """Append ``token_ids`` (non-empty) to ``cache``; return the last position's logits ``[vocab]`` fp32."""
+        s = self.shape
+        start, n = cache.length, len(token_ids)
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + n, device=self.device)
+        h = self.weights.embed[ids]  # [n, hidden]
+        # Causal over the cached prefix and the new run: new token i sees positions <= start + i.
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        for index, layer in enumerate(self.weights.layers):
+            q, k, v = self._qkv(layer, h, positions)
+            keys, values = cache.growable_layers[index].update(
+                k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # [1, kv_heads, start + n, head_dim]
+            # Fold each KV head's query group into the query length: [kv_heads, group * n, head_dim].
+            q_folded = q.view(n, s.num_kv_heads, self.group, s.head_dim).permute(1, 2, 0, 3)
+            q_folded = q_folded.reshape(s.num_kv_heads, self.group * n, s.head_dim)
+            out = F.scaled_dot_product_attention(q_folded, keys[0], values[0], attn_mask=mask.repeat(self.group, 1),
+                                                 scale=self.scale)
+            out = out.view(s.num_kv_heads, self.group, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+            h = h + layer.o(out)
+            h = h + self._mlp(layer, h)
+        return self._logits(h[-1:])[0]
+
+    @torch.inference_mode()
+    def decode(self, caches: Sequence[SessionKV], token_ids: Sequence[int]) -> torch.Tensor:
+        """Feed one token to each cache in one pass; return logits ``[batch, vocab]`` fp32.
+
+        Row ``i`` sees only ``caches[i]``: the result equals calling each alone (up to float rounding).
+        """
+        s = self.shape
+        batch = len(caches)
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=self.device)
+        h = self.weights.embed[ids]  # [batch, hidden]
+        for index, layer in enumerate(self.weights.layers):
+            q, k, v = self._qkv(layer, h, positions)
+            # One query per row, so no mask: each row attends over its own cache, new position included.
+            q_rows = q.view(batch, s.num_kv_heads, self.group, s.head_dim)
+            outs = []
+            for row, cache in enumerate(caches):
+                keys, values = cache.growable_layers[index].update(k[row, :, None][None], v[row, :, None][None])
+                outs.append(F.scaled_dot_product_attention(q_rows[row], keys[0], values[0], scale=self.scale))
+            out = torch.stack(outs).view(batch, -1)  # [batch, heads * head_dim]
+            h = h + layer.o(out)
+            h = h + self._mlp(layer, h)
+        return self._logits(h)
