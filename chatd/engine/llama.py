@@ -55,6 +55,31 @@ class DenseLinear:
         return size + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
 
+class Int8Linear:
+    """Weight-only int8 with one scale per output channel (symmetric, round to nearest)."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight  # [out_features, in_features] int8
+        self.scales = scales  # [out_features] fp32
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+        # weight: [out, in] fp32
+        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.contiguous(), scales.float(), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x.float().contiguous(), self.weight, self.scales)
+        return out if self.bias is None else out + self.bias
+
+    @property
+    def num_bytes(self) -> int:
+        return self.weight.numel() + 4 * self.scales.numel()
+
+
 @dataclass(frozen=True)
 class LlamaShape:
     num_layers: int

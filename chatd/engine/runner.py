@@ -1,6 +1,9 @@
 """ModelRunner: loads the model and tokenizer, and is the only code that calls the model.
 
-Two entry points, both to be called from the engine worker thread only:
+The model runs either as chatd's compact Llama-family forward (chatd/engine/llama.py, with weights in
+the precision ``[model] weights`` picks) or as transformers' own forward (``weights = "transformers"``,
+and any architecture the compact forward does not cover). Two entry points, both to be called from the
+engine worker thread only:
 
 * :meth:`ModelRunner.prefill` appends a run of token ids to one session's cache and returns the
   logits of the last position;
@@ -34,6 +37,7 @@ from transformers.utils import logging as hf_logging
 
 from chatd.config import ModelSettings
 from chatd.engine.kvcache import SessionKV
+from chatd.engine.llama import DenseLinear, Int8Linear, Linear, LlamaForward, LlamaShape, weights_from_transformers
 from chatd.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,8 @@ class ModelInfo:
     max_context: int
     eos_token_ids: frozenset[int]
     load_s: float
+    weights: str = "transformers"
+    """How the weights run: ``transformers`` (transformers' forward) or the compact forward's precision."""
 
     @property
     def dtype_name(self) -> str:
@@ -208,13 +214,43 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return _DTYPES[setting]
 
 
+def resolve_weights(setting: str, device: torch.device, config: Any) -> str:
+    """The weight precision to run: ``setting`` unless ``auto``. ConfigError when a compact-forward
+    precision is asked for a model the compact forward does not reproduce."""
+    try:
+        LlamaShape.from_config(config)
+        supported = True
+    except ValueError as exc:
+        if setting not in ("auto", "transformers"):
+            raise ConfigError(f"model.weights = {setting!r} needs a Llama-family model: {exc}") from exc
+        supported = False
+    if setting != "auto":
+        return setting
+    if not supported:
+        return "transformers"
+    # fp32 on the CPU: bf16 and fp16 matmuls are several times slower there and int8 has no fast kernel.
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def compact_forward(model: Any, weights: str, device: torch.device) -> LlamaForward:
+    """The compact forward over ``model``'s weights stored as ``weights`` (a dense dtype name or int8)."""
+    def make(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        if weights == "int8":
+            return Int8Linear.quantize(weight.float(), bias)
+        return DenseLinear(weight.to(_DTYPES[weights]).contiguous(), bias)
+
+    return LlamaForward(weights_from_transformers(model, make), device)
+
+
 class ModelRunner:
     """Owns a causal LM and its tokenizer. Not thread-safe: the engine worker is its only caller."""
 
-    def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, info: ModelInfo) -> None:
+    def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, info: ModelInfo,
+                 forward: LlamaForward | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.info = info
+        self.forward = forward
 
     @classmethod
     def load(cls, settings: ModelSettings, data_dir: Path) -> ModelRunner:
@@ -254,6 +290,11 @@ class ModelRunner:
             name = folder
             weights_hash = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()
         config = model.config.get_text_config()
+        weights = resolve_weights(settings.weights, device, config)
+        forward = None if weights == "transformers" else compact_forward(model, weights, device)
+        if weights not in ("transformers", "float32"):
+            # K/V computed with other weights differ: their snapshots must never mix.
+            weights_hash = f"{weights_hash}+{weights}"
         eos: set[int] = set()
         for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
             if isinstance(source, int):
@@ -273,9 +314,11 @@ class ModelRunner:
             max_context=min(limit, settings.max_context) if settings.max_context else limit,
             eos_token_ids=frozenset(eos),
             load_s=time.monotonic() - started,
+            weights=weights,
         )
-        log.info("loaded %s (%s, %s) in %.1f s", name, info.dtype_name, device, info.load_s)
-        return cls(model, tokenizer, info)
+        log.info("loaded %s (%s weights, %s activations, %s) in %.1f s", name, weights, info.dtype_name, device,
+                 info.load_s)
+        return cls(model, tokenizer, info, forward)
 
     def new_cache(self) -> SessionKV:
         i = self.info
@@ -284,6 +327,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, cache: SessionKV, token_ids: Sequence[int]) -> torch.Tensor:
         """Append ``token_ids`` (non-empty) to ``cache``; return the last position's logits ``[vocab]``."""
+        if self.forward is not None:
+            return self.forward.prefill(cache, token_ids)
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.info.device)  # [1, n]
         positions = torch.arange(cache.length, cache.length + ids.shape[1], device=self.info.device)[None]
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
@@ -295,6 +340,8 @@ class ModelRunner:
 
         Row ``i`` sees only ``caches[i]``: the result equals calling each alone (up to float rounding).
         """
+        if self.forward is not None:
+            return self.forward.decode(caches, token_ids)
         device = self.info.device
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)[:, None]  # [batch, 1]
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)[:, None]

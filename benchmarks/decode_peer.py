@@ -1,0 +1,123 @@
+"""Decode speed side by side with llama.cpp's llama-server: same packaged model, same threads, one run.
+
+    python -m benchmarks.decode_peer --llama-server PATH [--threads 2] [--weights float32,q4]
+                                     [--contexts 256,1024,2048] [--tokens 64] [--rounds 3] [--batch 8]
+
+For each context length a greedy decode of ``--tokens`` tokens after a prompt of that many tokens:
+chatd's engine step (``ModelRunner.prefill`` then ``ModelRunner.decode`` one token at a time, the
+calls the engine worker makes) against llama-server's ``/completion`` (``timings.predicted_per_second``,
+prompt caching off). Runs alternate chatd and llama-server round by round, so a busy moment of the
+machine hits both. With ``--batch N`` it also measures aggregate decode of N sessions at once: chatd's
+batched ``decode`` of N caches against N concurrent requests to llama-server started with ``-np N``.
+The table reports medians and chatd ÷ llama-server. ``make peer`` builds llama-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.peer import LlamaServer, packaged_gguf
+from chatd.config import ModelSettings
+from chatd.dev import ROOT, packaged_model_dir
+from chatd.engine.runner import ModelRunner
+
+
+def prompt_ids(runner: ModelRunner, n: int) -> list[int]:
+    text = " ".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    ids: list[int] = runner.tokenizer(text, add_special_tokens=False).input_ids
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def chatd_decode(runner: ModelRunner, prompt: list[int], tokens: int, batch: int = 1) -> float:
+    """Aggregate greedy decode tok/s of ``batch`` sessions with ``prompt`` cached (prefill not timed)."""
+    caches = []
+    for _ in range(batch):
+        cache = runner.new_cache()
+        cache.reserve(len(prompt) + tokens + 1)
+        for start in range(0, len(prompt), 256):
+            logits = runner.prefill(cache, prompt[start:start + 256])
+        caches.append(cache)
+    nxt = [int(logits.argmax())] * batch
+    started = time.perf_counter()
+    for _ in range(tokens):
+        nxt = runner.decode(caches, nxt).argmax(-1).tolist()
+    return batch * tokens / (time.perf_counter() - started)
+
+
+def llama_decode(server: LlamaServer, prompt: list[int], tokens: int, batch: int = 1) -> float:
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+            "ignore_eos": True, "stream": False}
+    if batch == 1:
+        return float(server.post("/completion", body)["timings"]["predicted_per_second"])
+    with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+        results = list(pool.map(lambda _: server.post("/completion", body), range(batch)))
+    # The requests decode together; their rates add up to the aggregate.
+    return sum(float(r["timings"]["predicted_per_second"]) for r in results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", default="float32")
+    parser.add_argument("--contexts", default="256,1024,2048")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=0, help="also measure N sessions at once (0: skip)")
+    args = parser.parse_args(argv)
+    gguf = packaged_gguf()
+    if not args.llama_server or gguf is None:
+        print("needs --llama-server (make peer builds it) and the packaged GGUF", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    folder = packaged_model_dir()
+    runners = {w: ModelRunner.load(ModelSettings(source=str(folder), weights=w, threads=args.threads), folder)
+               for w in args.weights.split(",")}
+    any_runner = next(iter(runners.values()))
+    cases = [(c, 1) for c in contexts] + ([(min(contexts), args.batch)] if args.batch > 1 else [])
+    results: dict[tuple[str, int, int], list[float]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        slots = max(1, args.batch)
+        server = LlamaServer(args.llama_server, gguf, Path(scratch), context=slots * (max(contexts) + args.tokens + 16),
+                             threads=args.threads, device="cpu", slots=slots)
+        server.start()
+        try:
+            for round_ in range(args.rounds):
+                for context, batch in cases:
+                    prompt = prompt_ids(any_runner, context)
+                    for name, runner in runners.items():
+                        results.setdefault((name, context, batch), []).append(
+                            chatd_decode(runner, prompt, args.tokens, batch))
+                    results.setdefault(("llama-server", context, batch), []).append(
+                        llama_decode(server, prompt, args.tokens, batch))
+                print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        finally:
+            server.stop()
+    print(f"decode tok/s, median of {args.rounds} alternating rounds, {args.tokens} tokens, "
+          f"{args.threads} threads, torch {torch.__version__}")
+    names = [*runners, "llama-server"]
+    print("| context | sessions | " + " | ".join(names) + " | " +
+          " | ".join(f"{n} ÷ llama-server" for n in runners) + " |")
+    print("|" + " --- |" * (2 + len(names) + len(runners)))
+    for context, batch in cases:
+        med = {n: statistics.median(results[(n, context, batch)]) for n in names}
+        ratios = [f"{med[n] / med['llama-server']:.2f}" for n in runners]
+        print(f"| {context} | {batch} | " + " | ".join(f"{med[n]:.1f}" for n in names) + " | "
+              + " | ".join(ratios) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""chatd's compact Llama-family forward against transformers' own forward, the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from chatd.config import ModelSettings
+from chatd.engine.llama import LlamaForward, weights_from_transformers
+from chatd.engine.runner import ModelRunner, compact_forward, resolve_weights
+from chatd.errors import ConfigError
+from tests.support import reference_greedy
+
+PROMPTS = [
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2,
+     198, 1, 520, 9531, 198],
+    list(range(300, 420)),
+    [1, 4093, 198, 19556, 34, 2, 198, 1, 520, 9531, 198],
+]
+
+
+def _greedy_compact(runner: ModelRunner, prompt: list[int], max_new_tokens: int) -> list[int]:
+    cache = runner.new_cache()
+    logits = runner.prefill(cache, prompt)
+    generated: list[int] = []
+    while True:
+        token = int(logits.argmax())
+        generated.append(token)
+        if token in runner.info.eos_token_ids or len(generated) >= max_new_tokens:
+            return generated
+        logits = runner.decode([cache], [token])[0]
+
+
+def test_tiny_compact_forward_matches_transformers(tiny_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    forward = LlamaForward(weights_from_transformers(model), torch.device("cpu"))
+    runner = ModelRunner.load(ModelSettings(source=str(tiny_dir), weights="float32", threads=1), tiny_dir)
+    assert runner.forward is not None and runner.info.weights == "float32"
+    ids = list(range(100, 260))
+    with torch.inference_mode():
+        reference = model(input_ids=torch.tensor([ids])).logits[0]  # [n, vocab]
+    cache = runner.new_cache()
+    first = forward.prefill(cache, ids[:100])  # two chunks: the second attends over the cached first
+    second = forward.prefill(cache, ids[100:])
+    assert torch.allclose(first, reference[99], atol=1e-4)
+    assert torch.allclose(second, reference[-1], atol=1e-4)
+    # Batched decode of rows with different lengths equals each row's own reference.
+    rows = [ids[:7], ids[:60], ids[:131]]
+    caches = [runner.new_cache() for _ in rows]
+    for c, row in zip(caches, rows, strict=True):
+        forward.prefill(c, row)
+    nxt = [11, 12, 13]
+    out = forward.decode(caches, nxt)
+    for i, row in enumerate(rows):
+        with torch.inference_mode():
+            want = model(input_ids=torch.tensor([[*row, nxt[i]]])).logits[0, -1]
+        assert torch.allclose(out[i], want, atol=1e-4)
+        assert caches[i].length == len(row) + 1
+
+
+@pytest.mark.real_model
+def test_float32_greedy_ids_equal_transformers(real_runner: ModelRunner, real_reference: torch.nn.Module) -> None:
+    assert real_runner.info.weights == "float32" and real_runner.forward is not None
+    for prompt in PROMPTS:
+        want = reference_greedy(real_reference, prompt, 24, real_runner.info.eos_token_ids)
+        assert _greedy_compact(real_runner, prompt, 24) == want
+
+
+@pytest.mark.real_model
+def test_int8_weights_stay_close(real_runner: ModelRunner, real_reference: torch.nn.Module) -> None:
+    int8 = ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info,
+                       compact_forward(real_reference, "int8", torch.device("cpu")))
+    prompt = PROMPTS[0]
+    with torch.inference_mode():
+        reference = real_reference(input_ids=torch.tensor([prompt])).logits[0, -1]
+    got = int8.prefill(int8.new_cache(), prompt)
+    assert int(got.argmax()) == int(reference.argmax())
+    # Close as distributions (logits may shift as a whole): total variation distance of the softmaxes.
+    distance = 0.5 * float((got.softmax(-1) - reference.softmax(-1)).abs().sum())
+    assert distance < 0.1
+
+
+def test_weights_resolution() -> None:
+    llama = SimpleNamespace(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                            hidden_act="silu", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            hidden_size=64, num_hidden_layers=2, vocab_size=10, rms_norm_eps=1e-5,
+                            max_position_embeddings=128)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_weights("auto", cpu, llama) == "float32"
+    assert resolve_weights("auto", cuda, llama) == "bfloat16"
+    assert resolve_weights("int8", cpu, llama) == "int8"
+    scaled = SimpleNamespace(**{**vars(llama), "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}})
+    other = SimpleNamespace(**{**vars(llama), "model_type": "gpt2"})
+    for unsupported in (scaled, other):
+        assert resolve_weights("auto", cpu, unsupported) == "transformers"
+        assert resolve_weights("transformers", cpu, unsupported) == "transformers"
+        with pytest.raises(ConfigError):
+            resolve_weights("float32", cpu, unsupported)
