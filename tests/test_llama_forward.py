@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from chatd.config import ModelSettings
 from chatd.engine.llama import LlamaForward, weights_from_transformers
-from chatd.engine.runner import ModelRunner, compact_forward, resolve_weights
+from chatd.engine.runner import ModelRunner, compact_forward, gguf_forward, resolve_weights
 from chatd.errors import ConfigError
 from tests.support import reference_greedy
 
@@ -91,7 +91,12 @@ def test_weights_resolution() -> None:
                             max_position_embeddings=128)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_weights("auto", cpu, llama) == "float32"
+    assert resolve_weights("auto", cpu, llama, has_gguf=True) == "q4"
     assert resolve_weights("auto", cuda, llama) == "bfloat16"
+    assert resolve_weights("auto", cuda, llama, has_gguf=True) == "bfloat16"
+    assert resolve_weights("q4", cpu, llama, has_gguf=True) == "q4"
+    with pytest.raises(ConfigError):
+        resolve_weights("q4", cpu, llama)
     assert resolve_weights("int8", cpu, llama) == "int8"
     scaled = SimpleNamespace(**{**vars(llama), "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}})
     other = SimpleNamespace(**{**vars(llama), "model_type": "gpt2"})
@@ -100,3 +105,37 @@ def test_weights_resolution() -> None:
         assert resolve_weights("transformers", cpu, unsupported) == "transformers"
         with pytest.raises(ConfigError):
             resolve_weights("float32", cpu, unsupported)
+
+
+@pytest.fixture(scope="module")
+def q4_runner(real_runner: ModelRunner) -> ModelRunner:
+    """The packaged GGUF's own Q4_1 / Q8_0 blocks, beside the real runner's tokenizer and info."""
+    return ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, gguf_forward(torch.device("cpu")))
+
+
+@pytest.mark.real_model
+def test_q4_tracks_the_dequantised_fp32_forward(q4_runner: ModelRunner, real_reference: torch.nn.Module) -> None:
+    # The fp32 reference runs the GGUF's blocks dequantised (the converted model), so the only difference
+    # is arithmetic: bf16 activations into the int4 kernel. Along the reference's own greedy continuation
+    # (teacher forcing), q4 must pick the same token nearly always, and only ever differ on near-ties.
+    tokenizer = q4_runner.tokenizer
+    agree = total = 0
+    for text in ("What is the capital of France?", "Write a haiku about the sea.",
+                 "Explain what a KV cache is in one sentence.", "List three prime numbers."):
+        prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    return_dict=True)["input_ids"])
+        continuation = reference_greedy(real_reference, prompt, 24, q4_runner.info.eos_token_ids)
+        with torch.inference_mode():
+            reference = real_reference(input_ids=torch.tensor([prompt + continuation])).logits[0]
+        reference = reference[len(prompt) - 1 : len(prompt) + len(continuation) - 1]  # [n, vocab]
+        cache = q4_runner.new_cache()
+        got = [q4_runner.prefill(cache, prompt)]
+        got += [q4_runner.decode([cache], [token])[0] for token in continuation[:-1]]
+        q4 = torch.stack(got)
+        assert float((q4 - reference).abs().max()) <= 1.0
+        same = q4.argmax(-1) == reference.argmax(-1)
+        agree, total = agree + int(same.sum()), total + len(continuation)
+        for position in (~same).nonzero().flatten().tolist():
+            top2 = reference[position].topk(2).values
+            assert float(top2[0] - top2[1]) < 0.5, f"q4 left a clear choice at {position} of {text!r}"
+    assert agree / total >= 0.9

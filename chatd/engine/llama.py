@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
 from chatd.engine.kvcache import SessionKV
+from chatd.engine.quant import GGUFWeights
 
 # transformers' Llama-family configs this forward reproduces exactly; anything else keeps transformers.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -33,6 +34,20 @@ class Linear(Protocol):
     out_features: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Embedding(Protocol):
+    """Token ids ``[n]`` int64 -> their embeddings ``[n, hidden]`` fp32."""
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseEmbedding:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight  # [vocab, hidden]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids].float()
 
 
 class DenseLinear:
@@ -130,7 +145,7 @@ class LlamaLayer:
 @dataclass
 class LlamaWeights:
     shape: LlamaShape
-    embed: torch.Tensor  # [vocab, hidden] fp32, looked up one row per token
+    embed: Embedding
     layers: list[LlamaLayer]
     norm: torch.Tensor  # [hidden] fp32
     lm_head: Linear  # hidden -> vocab
@@ -171,7 +186,7 @@ def weights_from_transformers(model: Any, make_linear: Callable[[torch.Tensor, t
             gate_up=make(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), None),
             down=make(mlp.down_proj.weight.detach(), None),
         ))
-    return LlamaWeights(shape=shape, embed=inner.embed_tokens.weight.detach().float(), layers=layers,
+    return LlamaWeights(shape=shape, embed=DenseEmbedding(inner.embed_tokens.weight.detach().float()), layers=layers,
                         norm=inner.norm.weight.detach().float(),
                         lm_head=make(model.lm_head.weight.detach(), None))
 
@@ -235,7 +250,7 @@ class LlamaForward:
         start, n = cache.length, len(token_ids)
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)
-        h = self.weights.embed[ids]  # [n, hidden]
+        h = self.weights.embed(ids)  # [n, hidden] fp32
         # Causal over the cached prefix and the new run: new token i sees positions <= start + i.
         mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
         for index, layer in enumerate(self.weights.layers):
@@ -262,7 +277,7 @@ class LlamaForward:
         batch = len(caches)
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=self.device)
-        h = self.weights.embed[ids]  # [batch, hidden]
+        h = self.weights.embed(ids)  # [batch, hidden] fp32
         for index, layer in enumerate(self.weights.layers):
             q, k, v = self._qkv(layer, h, positions)
             # One query per row, so no mask: each row attends over its own cache, new position included.
@@ -275,3 +290,16 @@ class LlamaForward:
             h = h + layer.o(out)
             h = h + self._mlp(layer, h)
         return self._logits(h)
+
+
+def weights_from_gguf(gguf: GGUFWeights) -> LlamaWeights:
+    """The compact forward over a GGUF's own quantised blocks (chatd/engine/quant.py): Q4_1 projections
+    through the int4 kernel, the Q8_0 embedding looked up row by row and used as the LM head."""
+    d = gguf.dims
+    shape = LlamaShape(num_layers=d.num_layers, hidden_size=d.hidden_size, num_heads=d.num_heads,
+                       num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, vocab_size=d.vocab_size,
+                       rms_norm_eps=d.rms_norm_eps, rope_theta=d.rope_theta, max_positions=d.context_length)
+    layers = [LlamaLayer(attn_norm=layer.attn_norm, qkv=layer.qkv, o=layer.o, ffn_norm=layer.ffn_norm,
+                         gate_up=layer.gate_up, down=layer.down) for layer in gguf.layers]
+    return LlamaWeights(shape=shape, embed=gguf.embed_tokens.rows, layers=layers, norm=gguf.final_norm,
+                        lm_head=cast(Linear, gguf.lm_head))

@@ -37,7 +37,16 @@ from transformers.utils import logging as hf_logging
 
 from chatd.config import ModelSettings
 from chatd.engine.kvcache import SessionKV
-from chatd.engine.llama import DenseLinear, Int8Linear, Linear, LlamaForward, LlamaShape, weights_from_transformers
+from chatd.engine.llama import (
+    DenseLinear,
+    Int8Linear,
+    Linear,
+    LlamaForward,
+    LlamaShape,
+    weights_from_gguf,
+    weights_from_transformers,
+)
+from chatd.engine.quant import load_gguf_weights
 from chatd.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -214,9 +223,10 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return _DTYPES[setting]
 
 
-def resolve_weights(setting: str, device: torch.device, config: Any) -> str:
+def resolve_weights(setting: str, device: torch.device, config: Any, *, has_gguf: bool = False) -> str:
     """The weight precision to run: ``setting`` unless ``auto``. ConfigError when a compact-forward
-    precision is asked for a model the compact forward does not reproduce."""
+    precision is asked for a model the compact forward does not reproduce, or ``q4`` without a GGUF
+    (``has_gguf``: the model came from the packaged GGUF, whose Q4_1 blocks ``q4`` runs)."""
     try:
         LlamaShape.from_config(config)
         supported = True
@@ -224,22 +234,37 @@ def resolve_weights(setting: str, device: torch.device, config: Any) -> str:
         if setting not in ("auto", "transformers"):
             raise ConfigError(f"model.weights = {setting!r} needs a Llama-family model: {exc}") from exc
         supported = False
+    if setting == "q4" and not has_gguf:
+        raise ConfigError('model.weights = "q4" runs the packaged GGUF\'s own blocks: '
+                          'it needs model.source = "packaged"')
     if setting != "auto":
         return setting
     if not supported:
         return "transformers"
+    if has_gguf and device.type == "cpu":
+        # The file's own precision through torch's int4 kernel: 2.5-3x less weight traffic than fp32 per
+        # token, at the precision llama.cpp runs (docs/performance.md has the agreement figures).
+        return "q4"
     # fp32 on the CPU: bf16 and fp16 matmuls are several times slower there and int8 has no fast kernel.
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
 def compact_forward(model: Any, weights: str, device: torch.device) -> LlamaForward:
-    """The compact forward over ``model``'s weights stored as ``weights`` (a dense dtype name or int8)."""
+    """The compact forward over ``model``'s weights stored as ``weights`` (a dense dtype name or int8).
+    For ``q4`` see :func:`gguf_forward`."""
     def make(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         if weights == "int8":
             return Int8Linear.quantize(weight.float(), bias)
         return DenseLinear(weight.to(_DTYPES[weights]).contiguous(), bias)
 
     return LlamaForward(weights_from_transformers(model, make), device)
+
+
+def gguf_forward(device: torch.device) -> LlamaForward:
+    """The compact forward over the packaged GGUF's own Q4_1 / Q8_0 blocks (CPU int4 kernel)."""
+    if device.type != "cpu":
+        raise ConfigError('model.weights = "q4" runs on the CPU; use bfloat16 on CUDA')
+    return LlamaForward(weights_from_gguf(load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF)), device)
 
 
 class ModelRunner:
@@ -290,8 +315,12 @@ class ModelRunner:
             name = folder
             weights_hash = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()
         config = model.config.get_text_config()
-        weights = resolve_weights(settings.weights, device, config)
-        forward = None if weights == "transformers" else compact_forward(model, weights, device)
+        weights = resolve_weights(settings.weights, device, config, has_gguf=settings.source == "packaged")
+        forward: LlamaForward | None = None
+        if weights == "q4":
+            forward = gguf_forward(device)
+        elif weights != "transformers":
+            forward = compact_forward(model, weights, device)
         if weights not in ("transformers", "float32"):
             # K/V computed with other weights differ: their snapshots must never mix.
             weights_hash = f"{weights_hash}+{weights}"
