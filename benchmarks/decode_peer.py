@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.peer import LlamaServer, packaged_gguf
 from chatd.config import ModelSettings
-from chatd.dev import ROOT, packaged_model_dir
+from chatd.dev import CACHE_DIR, ROOT, packaged_model_dir
 from chatd.engine.runner import ModelRunner
 
 
@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
-    folder = packaged_model_dir()
-    runners = {w: ModelRunner.load(ModelSettings(source=str(folder), weights=w, threads=args.threads), folder)
-               for w in args.weights.split(",")}
+    packaged_model_dir()  # converted once into CACHE_DIR/data, where ModelRunner.load finds it
+    runners = {w: ModelRunner.load(ModelSettings(source="packaged", weights=w, threads=args.threads),
+                                   CACHE_DIR / "data") for w in args.weights.split(",")}
     any_runner = next(iter(runners.values()))
     cases = [(c, 1) for c in contexts] + ([(min(contexts), args.batch)] if args.batch > 1 else [])
     results: dict[tuple[str, int, int], list[float]] = {}

@@ -22,6 +22,10 @@ if [[ ! -f "$DIR/llama_cpp_python-$VERSION.tar.gz" ]]; then
 fi
 tar -xzf "$DIR"/llama_cpp_python-$VERSION.tar.gz -C "$DIR"
 cd "$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
-cmake -B build -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release >/dev/null
+# Native code for this CPU, but without AMX: virtual machines often advertise the AMX flags without
+# enabling the tile state, and llama.cpp's AMX kernels then crash at start-up (SIGSEGV / SIGILL).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+cmake -B build -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" >/dev/null
 cmake --build build --target llama-server -j"$(nproc)" >/dev/null
 echo "$BIN"

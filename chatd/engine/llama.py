@@ -95,6 +95,20 @@ class Int8Linear:
         return self.weight.numel() + 4 * self.scales.numel()
 
 
+class RowSwitchLinear:
+    """One projection held twice: ``small`` for batches of fewer than ``min_rows`` rows (decode), ``large``
+    for bigger ones (prefill chunks). The weight-only int4 kernel reads 4x fewer bytes than fp32 but its
+    cost grows with every row, while a dense fp32 matmul barely notices 16 more rows: on this kind of CPU
+    the two cross near 20-30 rows."""
+
+    def __init__(self, small: Linear, large: Linear, min_rows: int) -> None:
+        self.small, self.large, self.min_rows = small, large, min_rows
+        self.out_features, self.in_features = small.out_features, small.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.large if x.shape[0] >= self.min_rows else self.small)(x)
+
+
 @dataclass(frozen=True)
 class LlamaShape:
     num_layers: int
@@ -192,9 +206,8 @@ def weights_from_transformers(model: Any, make_linear: Callable[[torch.Tensor, t
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [M, hidden] fp32; the same order of operations as transformers' LlamaRMSNorm
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    # x: [M, hidden] fp32; one fused op, the same values as transformers' LlamaRMSNorm in fp32
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LlamaForward:
@@ -215,23 +228,23 @@ class LlamaForward:
 
     # ------------------------------------------------------------------ pieces
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [M, heads, head_dim]; positions: [M] int64
-        cos = self.cos[positions][:, None]  # [M, 1, head_dim]
-        sin = self.sin[positions][:, None]
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [M] int64 -> cos, sin [M, 1, head_dim], looked up once per forward for every layer
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
-    def _qkv(self, layer: LlamaLayer, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _qkv(self, layer: LlamaLayer, h: torch.Tensor,
+             rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # h: [M, hidden] -> q [M, heads, head_dim], k and v [M, kv_heads, head_dim], RoPE applied to q and k
         s = self.shape
         qkv = layer.qkv(_rms_norm(h, layer.attn_norm, s.rms_norm_eps))
-        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
-                             s.num_kv_heads * s.head_dim], dim=-1)
-        q = self._rope(q.view(-1, s.num_heads, s.head_dim), positions)
-        k = self._rope(k.view(-1, s.num_kv_heads, s.head_dim), positions)
-        return q, k, v.view(-1, s.num_kv_heads, s.head_dim)
+        num_qk = (s.num_heads + s.num_kv_heads) * s.head_dim
+        qk = qkv[:, :num_qk].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)  # q and k heads rotate alike
+        cos, sin = rope
+        half = s.head_dim // 2
+        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+        qk = qk * cos + rotated * sin
+        q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+        return q, k, qkv[:, num_qk:].view(-1, s.num_kv_heads, s.head_dim)
 
     def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(_rms_norm(h, layer.ffn_norm, self.shape.rms_norm_eps)).chunk(2, dim=-1)
@@ -251,17 +264,18 @@ class LlamaForward:
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + n, device=self.device)
         h = self.weights.embed(ids)  # [n, hidden] fp32
+        rope = self._rope_table(positions)
         # Causal over the cached prefix and the new run: new token i sees positions <= start + i.
         mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        mask = mask.repeat(self.group, 1)
         for index, layer in enumerate(self.weights.layers):
-            q, k, v = self._qkv(layer, h, positions)
+            q, k, v = self._qkv(layer, h, rope)
             keys, values = cache.growable_layers[index].update(
                 k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # [1, kv_heads, start + n, head_dim]
             # Fold each KV head's query group into the query length: [kv_heads, group * n, head_dim].
             q_folded = q.view(n, s.num_kv_heads, self.group, s.head_dim).permute(1, 2, 0, 3)
             q_folded = q_folded.reshape(s.num_kv_heads, self.group * n, s.head_dim)
-            out = F.scaled_dot_product_attention(q_folded, keys[0], values[0], attn_mask=mask.repeat(self.group, 1),
-                                                 scale=self.scale)
+            out = F.scaled_dot_product_attention(q_folded[None], keys, values, attn_mask=mask, scale=self.scale)
             out = out.view(s.num_kv_heads, self.group, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
             h = h + layer.o(out)
             h = h + self._mlp(layer, h)
@@ -278,28 +292,46 @@ class LlamaForward:
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=self.device)
         h = self.weights.embed(ids)  # [batch, hidden] fp32
+        rope = self._rope_table(positions)
         for index, layer in enumerate(self.weights.layers):
-            q, k, v = self._qkv(layer, h, positions)
+            q, k, v = self._qkv(layer, h, rope)
             # One query per row, so no mask: each row attends over its own cache, new position included.
             q_rows = q.view(batch, s.num_kv_heads, self.group, s.head_dim)
             outs = []
             for row, cache in enumerate(caches):
                 keys, values = cache.growable_layers[index].update(k[row, :, None][None], v[row, :, None][None])
-                outs.append(F.scaled_dot_product_attention(q_rows[row], keys[0], values[0], scale=self.scale))
-            out = torch.stack(outs).view(batch, -1)  # [batch, heads * head_dim]
+                # 4-D inputs take SDPA's fused CPU kernel (3-D ones fall back to two matmuls).
+                outs.append(F.scaled_dot_product_attention(q_rows[row][None], keys, values, scale=self.scale))
+            out = torch.cat(outs).view(batch, -1)  # [batch, heads * head_dim]
             h = h + layer.o(out)
             h = h + self._mlp(layer, h)
         return self._logits(h)
 
 
-def weights_from_gguf(gguf: GGUFWeights) -> LlamaWeights:
+# Batches of at least this many rows run a GGUF model's dense fp32 copy (when one is given).
+DENSE_MIN_ROWS = 32
+
+
+def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None) -> LlamaWeights:
     """The compact forward over a GGUF's own quantised blocks (chatd/engine/quant.py): Q4_1 projections
-    through the int4 kernel, the Q8_0 embedding looked up row by row and used as the LM head."""
+    through the int4 kernel, the Q8_0 embedding looked up row by row and used as the LM head.
+
+    ``dense``: the same weights dequantised (e.g. the converted fp32 model); batches of at least
+    DENSE_MIN_ROWS rows (prefill chunks) then run those, where fp32 is faster than the int4 kernel."""
     d = gguf.dims
     shape = LlamaShape(num_layers=d.num_layers, hidden_size=d.hidden_size, num_heads=d.num_heads,
                        num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, vocab_size=d.vocab_size,
                        rms_norm_eps=d.rms_norm_eps, rope_theta=d.rope_theta, max_positions=d.context_length)
-    layers = [LlamaLayer(attn_norm=layer.attn_norm, qkv=layer.qkv, o=layer.o, ffn_norm=layer.ffn_norm,
-                         gate_up=layer.gate_up, down=layer.down) for layer in gguf.layers]
+    def pick(small: Linear, large: Linear | None) -> Linear:
+        return small if large is None else RowSwitchLinear(small, large, DENSE_MIN_ROWS)
+
+    layers = []
+    for index, layer in enumerate(gguf.layers):
+        twin = dense.layers[index] if dense is not None else None
+        layers.append(LlamaLayer(
+            attn_norm=layer.attn_norm, ffn_norm=layer.ffn_norm,
+            qkv=pick(layer.qkv, twin.qkv if twin else None), o=pick(layer.o, twin.o if twin else None),
+            gate_up=pick(layer.gate_up, twin.gate_up if twin else None),
+            down=pick(layer.down, twin.down if twin else None)))
     return LlamaWeights(shape=shape, embed=gguf.embed_tokens.rows, layers=layers, norm=gguf.final_norm,
                         lm_head=cast(Linear, gguf.lm_head))

@@ -260,11 +260,15 @@ def compact_forward(model: Any, weights: str, device: torch.device) -> LlamaForw
     return LlamaForward(weights_from_transformers(model, make), device)
 
 
-def gguf_forward(device: torch.device) -> LlamaForward:
-    """The compact forward over the packaged GGUF's own Q4_1 / Q8_0 blocks (CPU int4 kernel)."""
+def gguf_forward(device: torch.device, dequantised: Any | None = None) -> LlamaForward:
+    """The compact forward over the packaged GGUF's own Q4_1 / Q8_0 blocks (CPU int4 kernel).
+
+    ``dequantised``: the converted fp32 model (the same weights, dequantised exactly); prefill chunks run
+    it, where fp32 is faster than the int4 kernel, while decode steps run the blocks."""
     if device.type != "cpu":
         raise ConfigError('model.weights = "q4" runs on the CPU; use bfloat16 on CUDA')
-    return LlamaForward(weights_from_gguf(load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF)), device)
+    dense = weights_from_transformers(dequantised) if dequantised is not None else None
+    return LlamaForward(weights_from_gguf(load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF), dense), device)
 
 
 class ModelRunner:
@@ -318,7 +322,7 @@ class ModelRunner:
         weights = resolve_weights(settings.weights, device, config, has_gguf=settings.source == "packaged")
         forward: LlamaForward | None = None
         if weights == "q4":
-            forward = gguf_forward(device)
+            forward = gguf_forward(device, model)
         elif weights != "transformers":
             forward = compact_forward(model, weights, device)
         if weights not in ("transformers", "float32"):
