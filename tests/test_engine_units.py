@@ -122,3 +122,18 @@ def test_restore_or_recompute_by_cost() -> None:
     assert not prefer_restore(num_tokens=10, file_bytes=400_000, cost=cpu, min_tokens=64)
     fast_gpu = CostModel(prefill_tokens_per_s=50_000.0, restore_bytes_per_s=200e6)
     assert not prefer_restore(num_tokens=512, file_bytes=20_000_000, cost=fast_gpu, min_tokens=64)
+
+
+def test_sampling_draws_follow_the_filtered_distribution() -> None:
+    # Scores 2, 1, 0, -1, -5: top-k 4 drops the last; top-p 0.9 then drops the fourth (the mass before it,
+    # about 0.97, already reaches 0.9). The draws must follow softmax over the first three.
+    logits = torch.tensor([0.0, 2.0, -1.0, 1.0, -5.0])
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_k=4, top_p=0.9, seed=7)
+    gen = make_generator(params)
+    counts = torch.zeros(5)
+    for _ in range(3000):
+        counts[sample(logits, params, gen)] += 1
+    expected = torch.zeros(5)
+    expected[[1, 3, 0]] = torch.softmax(torch.tensor([2.0, 1.0, 0.0]), dim=0)
+    assert counts[2] == 0 and counts[4] == 0
+    assert torch.allclose(counts / counts.sum(), expected, atol=0.03)

@@ -93,16 +93,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     scores = logits.float().cpu()  # [vocab] fp32
     if not bool(torch.isfinite(scores).all()):
         raise SamplingError("the model produced non-finite logits")
-    scores = (scores - scores.max()) / params.temperature
+    # Candidates best first: the top-k when it applies (a partial selection, far cheaper than sorting
+    # the whole vocabulary), else every token.
     if 0 < params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        values, ids = torch.topk(scores, params.top_k)
+    else:
+        values, ids = torch.sort(scores, descending=True)
+    probs = torch.softmax((values - values[0]) / params.temperature, dim=-1)
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
-        # Drop a token when the mass before it already reaches top_p; the first token always stays.
-        drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        # Drop a candidate when the mass before it already reaches top_p; the first always stays.
+        kept = int(((probs.cumsum(dim=-1) - probs) < params.top_p).sum())
+        probs = probs[:kept]
+    choice = int(torch.multinomial(probs, 1, generator=generator).item())
+    return int(ids[choice])
