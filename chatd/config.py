@@ -41,7 +41,11 @@ class ModelSettings(_Section):
     dtype, int8 per-channel weights, or the packaged GGUF's own Q4_1 blocks (``q4``). ``auto`` picks the
     fastest faithful one for the device and model (docs/performance.md)."""
     threads: int = Field(default=0, ge=0, le=256)
-    """torch intra-op threads; 0 keeps torch's default."""
+    """torch intra-op threads (prefill, and decode unless ``decode_threads`` says otherwise); 0 keeps torch's
+    default (one per core)."""
+    decode_threads: int = Field(default=0, ge=0, le=256)
+    """torch threads for decode steps; 0 = auto: one fewer than ``threads`` resolves to (at least 1), so
+    the event loop keeps a core: a decode step's many small parallel regions stall when it has none."""
     max_context: int = Field(default=0, ge=0)
     """Cap on the context length in tokens; 0 uses the model's own limit."""
     prefill_chunk_tokens: int = Field(default=256, ge=16, le=65536)

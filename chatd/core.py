@@ -118,7 +118,8 @@ class Chatd:
         engine = db.create_engine(settings.store_url, echo=settings.store.echo)
         repo = Repo(db.make_sessionmaker(engine))
         counters = Counters()
-        worker = EngineWorker(runner, prefill_chunk_tokens=settings.model.prefill_chunk_tokens,
+        worker = EngineWorker(runner, decode_threads=settings.model.decode_threads,
+                              prefill_chunk_tokens=settings.model.prefill_chunk_tokens,
                               max_batch_size=settings.model.max_batch_size, counters=counters)
         worker.start()
         snapshots = SnapshotService(settings.cache, settings.snapshot_path, repo, runner.info, counters=counters)

@@ -131,13 +131,17 @@ class EngineWorker:
     """Owns the device. Start once, submit from the event loop, stop at shutdown."""
 
     def __init__(self, runner: ModelRunner, *, prefill_chunk_tokens: int = 256, max_batch_size: int = 16,
-                 counters: Counters | None = None) -> None:
+                 counters: Counters | None = None, decode_threads: int = 0) -> None:
+        """``decode_threads``: torch threads for decode steps; 0 = one fewer than prefill's (at least 1).
+        Prefill uses whatever torch is set to when the worker is made (``[model] threads``)."""
         self.runner = runner
         # The event loop encodes with runner.tokenizer while this thread decodes; a fast tokenizer is
         # one Rust object that must not be borrowed from two threads at once, so decode with a copy.
         self.tokenizer = copy.deepcopy(runner.tokenizer)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_batch_size = max_batch_size
+        self.prefill_threads = torch.get_num_threads()
+        self.decode_threads = decode_threads or max(1, self.prefill_threads - 1)
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._prefilling: deque[_Job] = deque()
@@ -297,11 +301,21 @@ class EngineWorker:
         do_prefill = bool(self._prefilling) and (self._prefill_turn or not self._decoding)
         self._prefill_turn = not self._prefill_turn
         if do_prefill:
+            self._use_threads(self.prefill_threads)
             budget = self.prefill_chunk_tokens
             while budget > 0 and self._prefilling:
                 budget -= self._prefill_chunk(self._prefilling[0], budget)
         elif self._decoding:
+            self._use_threads(self.decode_threads)
             self._decode_step()
+
+    @staticmethod
+    def _use_threads(num_threads: int) -> None:
+        # A decode step is hundreds of small parallel regions, each as slow as its slowest thread: with
+        # every core busy in torch, any other thread (the event loop) stalls them all. Prefill's big
+        # matmuls barely notice, so the two kinds of step may run on different thread counts.
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
 
     def _prefill_chunk(self, job: _Job, max_tokens: int) -> int:
         """Prefill up to ``max_tokens`` more of ``job``'s prompt; return how many were fed."""
