@@ -7,6 +7,7 @@ escaped the engine thread, and no session got a reply again.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from fastapi.testclient import TestClient
 from chatd.config import GenerationSettings
 from chatd.core import Chatd
 from chatd.engine import worker as worker_module
+from chatd.engine.runner import ModelRunner
 from chatd.engine.sampling import SamplingError, SamplingParams, make_generator, sample
+from chatd.engine.worker import EngineWorker, GenerationResult
 from chatd.errors import ChatdError, Internal
 from chatd.protocol import GenerationParams
 from chatd.server.app import create_app
@@ -116,3 +119,35 @@ def test_healthz_reports_a_dead_engine(make_settings, tiny_dir, tiny_runner) -> 
             http.portal.call(asyncio.sleep, 0.05)  # type: ignore[union-attr]
         health = http.get("/healthz")
         assert health.status_code == 503 and health.json()["status"] == "engine_stopped"
+
+
+async def test_decode_steps_run_on_their_own_thread_count(tiny_runner: ModelRunner,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, set[int]] = {"prefill": set(), "decode": set()}
+    real_prefill, real_decode = tiny_runner.prefill, tiny_runner.decode
+
+    def prefill(cache: Any, ids: Any) -> torch.Tensor:
+        seen["prefill"].add(torch.get_num_threads())
+        return real_prefill(cache, ids)
+
+    def decode(caches: Any, ids: Any) -> torch.Tensor:
+        seen["decode"].add(torch.get_num_threads())
+        return real_decode(caches, ids)
+
+    monkeypatch.setattr(tiny_runner, "prefill", prefill)
+    monkeypatch.setattr(tiny_runner, "decode", decode)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        worker = EngineWorker(tiny_runner)  # decode_threads 0: one fewer than prefill's
+        assert (worker.prefill_threads, worker.decode_threads) == (2, 1)
+        worker.start()
+        try:
+            handle = worker.generate(tiny_runner.new_cache(), [1, 2, 3, 4], SamplingParams(max_tokens=4))
+            events = [event async for event in handle.events()]
+            assert isinstance(events[-1], GenerationResult) and len(events[-1].generated_ids) == 4
+        finally:
+            worker.stop()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"prefill": {2}, "decode": {1}}
