@@ -75,7 +75,7 @@ class Int8Linear:
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight  # [out_features, in_features] int8
-        self.scales = scales  # [out_features] fp32
+        self.scales = scales  # [out_features] bf16
         self.bias = bias
         self.out_features, self.in_features = weight.shape
 
@@ -84,15 +84,16 @@ class Int8Linear:
         # weight: [out, in] fp32
         scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         q = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q.contiguous(), scales.float(), bias)
+        return cls(q.contiguous(), scales.to(torch.bfloat16), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int8pack_mm(x.float().contiguous(), self.weight, self.scales)
+        # The CPU kernel is fast only with bf16 activations and scales (fp32 takes a scalar path ~30x slower).
+        out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight, self.scales).float()
         return out if self.bias is None else out + self.bias
 
     @property
     def num_bytes(self) -> int:
-        return self.weight.numel() + 4 * self.scales.numel()
+        return self.weight.numel() + 2 * self.scales.numel()
 
 
 class RowSwitchLinear:
