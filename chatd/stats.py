@@ -56,6 +56,9 @@ class Counters:
     """Snapshots rejected or unreadable: those sessions recomputed instead."""
     num_snapshot_writes: int = 0
     num_snapshot_write_failures: int = 0
+    num_prefix_shares: int = 0
+    """Caches started from another resident session's prefix (a copy of its K/V)."""
+    num_prefix_shared_tokens: int = 0
     restore_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     """The most recent restore times, oldest first."""
     eviction_log: deque[tuple[str, EvictionReason]] = field(default_factory=lambda: deque(maxlen=RECENT))

@@ -11,6 +11,7 @@ import pytest
 from chatd.core import Chatd
 from chatd.errors import BadRequest, Busy, ContextLengthExceeded, NotFound
 from chatd.protocol import GenerationParams
+from chatd.server.admin import render_stats
 from chatd.turns import EditResult, TurnResult
 
 
@@ -210,3 +211,52 @@ async def test_stop_string_truncates_and_stores_matching_ids(tiny_core: Chatd) -
     start, end = template.content_span("assistant", stored.index, stored.token_ids)
     decoded = tiny_core.runner.tokenizer.decode(list(stored.token_ids[start:end]), skip_special_tokens=True)
     assert decoded == stopped.assistant_message.content
+
+
+SHARED_SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 6
+
+
+async def test_a_new_session_starts_from_another_sessions_resident_prefix(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    system_tokens = len(svc.template.message_ids("system", SHARED_SYSTEM, 0))
+    a = await svc.create(system=SHARED_SYSTEM)
+    first = await svc.send(a.session_id, "Hello", greedy(8)).wait()
+    b = await svc.create(system=SHARED_SYSTEM)
+    shared = await svc.send(b.session_id, "Hello", greedy(8)).wait()
+    assert isinstance(first, TurnResult) and isinstance(shared, TurnResult)
+    assert first.usage.cached_tokens == 0
+    assert shared.usage.cache_tier == "device" and shared.usage.cached_tokens >= system_tokens
+    assert shared.usage.cached_tokens + shared.usage.prefill_tokens == shared.usage.input_tokens
+    assert tiny_core.counters.num_prefix_shares == 1
+    assert tiny_core.counters.num_prefix_shared_tokens == shared.usage.cached_tokens
+    assert render_stats(await tiny_core.stats())["prefix_shared_tokens"] == shared.usage.cached_tokens
+    # With nothing resident to share, the same conversation computed from scratch gives the same reply.
+    await tiny_core.kv.drop(a.session_id)
+    await tiny_core.kv.drop(b.session_id)
+    c = await svc.create(system=SHARED_SYSTEM)
+    fresh = await svc.send(c.session_id, "Hello", greedy(8)).wait()
+    assert isinstance(fresh, TurnResult) and fresh.usage.cached_tokens == 0
+    assert shared.assistant_message.content == fresh.assistant_message.content
+    # Editing the shared part of one session leaves the other's cache alone: its next turn equals a
+    # recomputation of its own history.
+    d = await svc.create(system=SHARED_SYSTEM)
+    await svc.send(d.session_id, "Hello", greedy(8)).wait()
+    edited = await svc.edit(d.session_id, 0, "Answer in French. " + SHARED_SYSTEM, greedy(8)).wait()
+    assert isinstance(edited, EditResult)
+    kept = await svc.send(c.session_id, "And then?", greedy(8)).wait()
+    assert isinstance(kept, TurnResult) and kept.usage.cache_tier == "device"
+    await tiny_core.kv.drop(c.session_id)
+    await tiny_core.kv.drop(d.session_id)  # its cache still holds (valid) K/V of the old system prompt
+    redo = await svc.edit(c.session_id, kept.user_message.index, "And then?", greedy(8)).wait()
+    assert isinstance(redo, TurnResult) and redo.usage.cached_tokens == 0
+    assert redo.assistant_message.content == kept.assistant_message.content
+
+
+async def test_prefix_sharing_can_be_turned_off(make_settings, tiny_dir, tiny_runner) -> None:  # type: ignore[no-untyped-def]
+    settings = make_settings(tiny_dir, cache={"share_prefixes": False})
+    async with Chatd.open(settings, runner=tiny_runner, background=False) as core:
+        for _ in range(2):
+            info = await core.sessions.create(system=SHARED_SYSTEM)
+            result = await core.sessions.send(info.session_id, "Hello", greedy(4)).wait()
+            assert isinstance(result, TurnResult) and result.usage.cached_tokens == 0
+        assert core.counters.num_prefix_shares == 0

@@ -168,6 +168,16 @@ class SessionKV(DynamicCache):
             views.append((layer._k[0, :, :length], layer._v[0, :, :length]))
         return views
 
+    def copy_prefix(self, other: SessionKV, length: int) -> None:
+        """Make this cache hold ``other``'s first ``length`` positions (a copy; the two stay independent)."""
+        if length > other.length:
+            raise ValueError(f"the source holds {other.length} positions, not {length}")
+        self.truncate(0)
+        for (dst_k, dst_v), (src_k, src_v) in zip(self.fill_targets(length), other.filled_layers(), strict=True):
+            dst_k.copy_(src_k[:, :length])
+            dst_v.copy_(src_v[:, :length])
+        self.set_length(length)
+
     def filled_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer ``[kv_heads, length, head_dim]`` views of the valid positions (snapshot path)."""
         return [layer.filled() for layer in self.growable_layers]

@@ -184,10 +184,46 @@ class KVManager:
                                            reuse_limit=max(len(prompt) - 1, 0))
         if restored is not None:
             return restored
-        await self._make_room(capacity * self.bytes_per_token, protect=())
-        cache = await self.worker.call(lambda: _new_reserved(self.worker, capacity))
-        self._entries[session_id] = _Entry(session_id, cache, [], self.clock(), busy=True)
-        return Lease(session_id, cache, prompt, 0, "none", None)
+        donor = self._best_donor(session_id, prompt)
+        await self._make_room(capacity * self.bytes_per_token, protect={donor} if donor else set())
+        # Decide and hand the copy to the engine thread with no await in between: the engine runs calls in
+        # order, so no eviction, truncation or forward pass queued later can touch the donor's prefix first.
+        donor = self._best_donor(session_id, prompt)
+        shared = 0
+        if donor is not None:
+            source = self._entries[donor].cache
+            wanted = reusable_prefix(self._entries[donor].cached_ids, prompt)
+
+            def clone() -> tuple[SessionKV, int]:
+                # A turn of the donor that started just before may have queued a truncation ahead of this
+                # call (its cached_ids shrink only when that returns): copy what the donor still holds.
+                cache = _new_reserved(self.worker, capacity)
+                length = min(wanted, source.length)
+                cache.copy_prefix(source, length)
+                return cache, length
+
+            cache, shared = await self.worker.call(clone)
+            self.counters.num_prefix_shares += 1
+            self.counters.num_prefix_shared_tokens += shared
+        else:
+            cache = await self.worker.call(lambda: _new_reserved(self.worker, capacity))
+        self._entries[session_id] = _Entry(session_id, cache, list(prompt[:shared]), self.clock(), busy=True)
+        return Lease(session_id, cache, prompt, shared, "device" if shared else "none", None)
+
+    def _best_donor(self, session_id: str, prompt: Sequence[int]) -> str | None:
+        """The resident session whose cache shares the longest usable prefix with ``prompt`` (at least
+        ``share_min_tokens``), or None. Positions below a session's ``cached_ids`` length are stable even
+        while it generates (its generation writes only past them)."""
+        if not self.settings.share_prefixes:
+            return None
+        best, best_len = None, self.settings.share_min_tokens - 1
+        for other_id, entry in self._entries.items():
+            if other_id == session_id or len(entry.cached_ids) <= best_len:
+                continue
+            shared = reusable_prefix(entry.cached_ids, prompt)
+            if shared > best_len:
+                best, best_len = other_id, shared
+        return best
 
     def release(self, lease: Lease, *, generated_ids: Sequence[int] = (), ok: bool = True) -> None:
         """Return a lease. With ``ok`` the cache holds ``prompt + generated_ids`` up to its length;

@@ -147,6 +147,8 @@ def render_stats(stats: Stats) -> dict[str, Any]:
         "snapshot_write_failures": c.num_snapshot_write_failures,
         "snapshot_bytes_written": c.num_snapshot_bytes_written,
         "snapshots_deleted_for_disk_budget": c.num_snapshots_deleted_for_budget,
+        "prefix_shares": c.num_prefix_shares,
+        "prefix_shared_tokens": c.num_prefix_shared_tokens,
         "engine": {"decode_steps": c.num_engine_decode_steps, "decoded_tokens": c.num_engine_decode_tokens,
                    "prefilled_tokens": c.num_engine_prefill_tokens},
     }
