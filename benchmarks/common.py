@@ -40,6 +40,7 @@ FIGURE_KEYS = (
     "decode_overhead",
     "concurrency",
     "memory",
+    "shared_prefix",
 )
 
 
@@ -77,6 +78,9 @@ class Plan:
     memory_budget_tokens: int
     memory_parallel: int
     peer_turns: int
+    shared_prefix_sessions: tuple[int, ...] = (1, 10)
+    """Session counts for the shared-system-prompt figure (each its own run)."""
+    shared_prefix_tokens: int = 1000
 
 
 PLANS: dict[str, Plan] = {
@@ -93,7 +97,7 @@ PLANS: dict[str, Plan] = {
         history_tokens=(256, 512, 1024, 2048, 4096, 8000), reply_tokens=16, edit_messages=8,
         edit_history_tokens=2048, decode_tokens=128, decode_runs=5, concurrency=(1, 4, 8, 16), concurrency_tokens=32,
         concurrency_min_samples=16, memory_model="real", memory_sessions=100, memory_turns=3,
-        memory_budget_tokens=2400, memory_parallel=4, peer_turns=6,
+        memory_budget_tokens=2400, memory_parallel=4, peer_turns=6, shared_prefix_sessions=(1, 10, 100),
     ),
     # The quick suite sized for a GPU (benchmarks/gpu.sh): larger caches, more clients, the real model
     # for the memory workload; it must finish well inside 8 minutes on one GPU.
@@ -103,6 +107,7 @@ PLANS: dict[str, Plan] = {
         edit_history_tokens=4096, decode_tokens=128, decode_runs=3, concurrency=(1, 4, 8, 16, 32),
         concurrency_tokens=32, concurrency_min_samples=8, memory_model="real", memory_sessions=100,
         memory_turns=2, memory_budget_tokens=2400, memory_parallel=8, peer_turns=6,
+        shared_prefix_sessions=(1, 10, 100),
     ),
 }
 

@@ -14,6 +14,7 @@ packaged model; every number comes from the turn's own ``usage``.
 from __future__ import annotations
 
 import asyncio
+import statistics
 from typing import Any
 
 from benchmarks.common import Bench, Column, Corpus, Figure, ratio
@@ -28,11 +29,12 @@ FRAMING_TOKENS = 12  # message header/footer and generation prompt around a mess
 
 
 def _settings(bench: Bench, name: str) -> config.Settings:
-    # Background maintenance off: no idle persistence or eviction may land inside a measured turn.
+    # Background maintenance off: no idle persistence or eviction may land inside a measured turn. Prefix
+    # sharing off: the recomputed twin must not start from the kept session's cache.
     return config.load(env={}, overrides={
         "data_dir": str(bench.subdir(name)),
         "model": bench.model_settings(),
-        "cache": {"persist_idle_s": 0, "idle_evict_s": 0, "device_budget_mb": 4096},
+        "cache": {"persist_idle_s": 0, "idle_evict_s": 0, "device_budget_mb": 4096, "share_prefixes": False},
         "log_level": "warning",
     })
 
@@ -154,6 +156,57 @@ async def _edit_cost(bench: Bench, corpus: Corpus) -> Figure:
         fig.add_headline(f"edit of the {row['position'].split()[0]} message: recompute / edit TTFT", row["speedup"],
                          "{:.1f}x")
     return fig
+
+
+async def _shared_prefix(bench: Bench, corpus: Corpus) -> Figure:
+    fig = Figure(
+        "shared_prefix", "Sessions with one shared system prompt",
+        f"N sessions are created with the same ~{bench.plan.shared_prefix_tokens}-token system prompt and each "
+        "sends one short message, one after another. The first session prefills the system prompt; every "
+        "later one starts from the resident prefix of an earlier session (copied on the engine thread, "
+        "[cache] share_prefixes). Reported: the later sessions' cached tokens and median TTFT against the "
+        "first session's, and the device KV bytes of all N against one session's (a copy is not shared "
+        "memory yet: about N times).",
+        columns=[
+            Column("sessions", "sessions"), Column("prompt_tokens", "prompt tokens"),
+            Column("first_ttft_ms", "first TTFT ms", "{:.0f}"), Column("later_ttft_ms", "later TTFT ms (median)",
+                                                                       "{:.0f}"),
+            Column("ttft_ratio", "first / later", "{:.1f}x"), Column("later_cached_tokens", "later cached (min)"),
+            Column("kv_mb", "device KV MB", "{:.1f}"), Column("kv_vs_one", "KV vs one session", "{:.1f}x"),
+        ])
+    runner = bench.runner()
+    params = _params(bench)
+    system = corpus.text(bench.plan.shared_prefix_tokens)
+    for count in bench.plan.shared_prefix_sessions:
+        settings = config.load(env={}, overrides={
+            "data_dir": str(bench.subdir(f"shared-{count}")), "model": bench.model_settings(),
+            "cache": {"persist_idle_s": 0, "idle_evict_s": 0, "device_budget_mb": 16384}, "log_level": "warning"})
+        async with Chatd.open(settings, runner=runner, background=False) as core:
+            results = []
+            for index in range(count):
+                sid = (await core.sessions.create(system=system)).session_id
+                results.append(await _turn(core, sid, f"Hello, I am user {index}.", params))
+                if index == 0:
+                    one_session_bytes = core.kv.resident_bytes
+            later = results[1:]
+            first = results[0]
+            later_ttft = statistics.median(r.usage.ttft_ms for r in later) if later else first.usage.ttft_ms
+            fig.rows.append({
+                "sessions": count, "prompt_tokens": first.usage.input_tokens,
+                "first_ttft_ms": first.usage.ttft_ms, "later_ttft_ms": later_ttft,
+                "ttft_ratio": ratio(first.usage.ttft_ms, later_ttft),
+                "later_cached_tokens": min((r.usage.cached_tokens for r in later), default=first.usage.cached_tokens),
+                "kv_mb": core.kv.resident_bytes / 1e6, "kv_vs_one": ratio(core.kv.resident_bytes, one_session_bytes),
+                "prefix_shares": core.counters.num_prefix_shares,
+            })
+    for row in fig.rows:
+        if row["sessions"] > 1:
+            fig.add_headline(f"{row['sessions']} sessions: first / later TTFT", row["ttft_ratio"], "{:.1f}x")
+    return fig
+
+
+def run_shared_prefix(bench: Bench, corpus: Corpus) -> Figure:
+    return asyncio.run(_shared_prefix(bench, corpus))
 
 
 def run_ttft_vs_history(bench: Bench, corpus: Corpus) -> Figure:

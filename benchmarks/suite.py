@@ -237,3 +237,5 @@ def _run_figures(bench: Bench, wanted: list[str], corpus: Corpus) -> None:
                 figures.pop(key, None)
     if "memory" in wanted:
         _run(bench, "memory", lambda: memory.run_memory(bench))
+    if "shared_prefix" in wanted:
+        _run(bench, "shared_prefix", lambda: conversation.run_shared_prefix(bench, corpus))

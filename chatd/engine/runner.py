@@ -209,6 +209,16 @@ def convert_packaged_model(data_dir: Path) -> Path:
     return target
 
 
+def _converted_from_packaged_gguf(card: dict[str, Any]) -> bool:
+    """Whether a model card describes a conversion of the installed package's GGUF (whose blocks ``q4`` runs)."""
+    if not str(card.get("source", "")).startswith(PACKAGED_GGUF):
+        return False
+    try:
+        return bool(card.get("weights_hash") == _sha256_file(packaged_model_dir() / PACKAGED_GGUF))
+    except (ConfigError, OSError):
+        return False
+
+
 def resolve_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -310,16 +320,18 @@ class ModelRunner:
         model.eval()
         if not tokenizer.chat_template:
             raise ConfigError(f"model {settings.source!r} has no chat template")
+        has_gguf = False
         if isinstance(folder, Path):
             card_path = folder / MODEL_CARD_FILE
             card = json.loads(card_path.read_text()) if card_path.exists() else {}
             name = card.get("name") or folder.name
             weights_hash = card.get("weights_hash") or _folder_weights_hash(folder)
+            has_gguf = _converted_from_packaged_gguf(card)
         else:
             name = folder
             weights_hash = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()
         config = model.config.get_text_config()
-        weights = resolve_weights(settings.weights, device, config, has_gguf=settings.source == "packaged")
+        weights = resolve_weights(settings.weights, device, config, has_gguf=has_gguf)
         forward: LlamaForward | None = None
         if weights == "q4":
             forward = gguf_forward(device, model)
