@@ -144,7 +144,7 @@ async def test_admin_json_and_metrics_render_the_same_stats(tiny_core: Chatd) ->
         "model", "tiers", "sessions", "turns", "cached_tokens", "prefilled_tokens", "cached_token_ratio",
         "evictions", "evictions_idle", "evictions_for_room", "restores", "restore_failures", "restore_ms_mean",
         "snapshot_writes", "snapshot_write_failures", "snapshot_bytes_written",
-        "snapshots_deleted_for_disk_budget", "engine"]
+        "snapshots_deleted_for_disk_budget", "prefix_shares", "prefix_shared_tokens", "engine"]
     assert list(body["tiers"]) == ["device", "disk"]
     assert body["sessions"] == {"total": 1, "resident": 0, "evicted": 1, "generating": 0}
     assert body["turns"] == 1 and body["evictions"] == 1 and body["snapshot_writes"] == 1
@@ -154,5 +154,6 @@ async def test_admin_json_and_metrics_render_the_same_stats(tiny_core: Chatd) ->
     disk_bytes = stats.tier_use("disk").used_bytes
     for line in ('chatd_sessions{tier="disk"} 1.0', 'chatd_sessions{tier="device"} 0.0',
                  f'chatd_kv_bytes{{tier="disk"}} {float(disk_bytes)}', "chatd_turns_total 1.0",
-                 "chatd_evictions_total 1.0", "chatd_snapshot_writes_total 1.0", "chatd_ttft_seconds_count 1.0"):
+                 "chatd_evictions_total 1.0", "chatd_snapshot_writes_total 1.0", "chatd_ttft_seconds_count 1.0",
+                 "chatd_prefix_shares_total 0.0"):
         assert line in text.splitlines(), line
