@@ -23,7 +23,7 @@ from chatd.protocol import GenerationParams, Message, SessionInfo
 from chatd.stats import Tiers
 from chatd.store.repo import MessageRecord
 from chatd.tasks import TaskSet
-from chatd.turns import Turn, TurnRunner, to_message
+from chatd.turns import Turn, TurnRunner, require_unicode, to_message
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +64,22 @@ class SessionService:
     # ------------------------------------------------------------------ sessions
 
     async def create(self, *, system: str | None = None, title: str | None = None) -> SessionInfo:
+        """Create a session, with ``system`` as message 0 when given.
+
+        Raises BadRequest (text that is not valid Unicode), TooLarge or ContextLengthExceeded (the
+        system prompt); the input is checked and tokenised before the session is stored, so a refused
+        create leaves nothing behind.
+        """
         if system is not None and len(system) > self.settings.server.max_message_chars:
             raise TooLarge(f"system prompt exceeds the limit of {self.settings.server.max_message_chars} characters")
+        require_unicode(system or "", "system prompt")
+        require_unicode(title or "", "title")
+        ids = self.template.message_ids("system", system, 0) if system else None
+        if ids is not None and len(ids) >= self.info.max_context:
+            raise ContextLengthExceeded("the system prompt does not fit the model's context")
         session_id = new_session_id()
         record = await self.repo.create_session(session_id, (title or "").strip()[:200])
-        if system:
-            ids = self.template.message_ids("system", system, 0)
-            if len(ids) >= self.info.max_context:
-                await self.repo.delete_session(session_id)
-                raise ContextLengthExceeded("the system prompt does not fit the model's context")
+        if system and ids is not None:
             await self.repo.append_message(session_id, "system", system, ids)
             record = await self.turns.require(session_id)
         return self.session_info(record)
