@@ -17,7 +17,7 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from chatd.domain import SessionRecord, Tier, new_session_id
+from chatd.domain import SessionRecord, Tier, is_session_id, new_session_id
 from chatd.errors import Busy, ChatdError, ContextLengthExceeded, Internal, TooLarge
 from chatd.protocol import GenerationParams, Message, SessionInfo
 from chatd.stats import Tiers
@@ -120,7 +120,10 @@ class SessionService:
         return await self.kv.evict(session_id)
 
     async def delete(self, session_id: str) -> bool:
-        """Delete the session, its messages and snapshot. A running generation is cancelled first."""
+        """Delete the session, its messages and snapshot. A running generation is cancelled first.
+        False when there was no such session (also for an id outside the session-id format)."""
+        if not is_session_id(session_id):
+            return False  # it names no session, and the snapshot store refuses to build a path from it
         holder = self._claims.get(session_id)
         if isinstance(holder, Turn):
             holder.cancel()

@@ -23,6 +23,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from chatd import config
 from chatd.config import Settings
+from chatd.core import MAX_PAGE_LIMIT, MAX_PAGE_OFFSET
 from chatd.domain import CLOSE_IDLE, CLOSE_TOO_SLOW, CLOSE_UNAUTHORIZED, KEY_SUBPROTOCOL_PREFIX, SUBPROTOCOL
 from chatd.engine.runner import ModelRunner
 from chatd.errors import ERROR_CODES
@@ -478,3 +479,42 @@ async def test_a_reader_too_slow_for_its_queue_is_closed_and_its_work_stopped() 
     assert ws.closed_with == CLOSE_TOO_SLOW
     assert handler.stops >= 1 and conn.closing
     conn.emit(Pong())  # a closing connection drops frames instead of failing
+
+
+# ----------------------------------------------------------------------------- admin HTTP, in process
+
+
+def _admin_headers(client: TestClient) -> dict[str, str]:
+    return {"Authorization": f"Bearer {client.app.state.admin_token}"}  # type: ignore[attr-defined]
+
+
+MALFORMED_IDS = ["short", "has.dots.and.is.long.enough", "with%20a%20space%20long%20enough", "a" * 65]
+
+
+@pytest.mark.parametrize("session_id", MALFORMED_IDS, ids=["short", "dots", "space", "too-long"])
+def test_admin_routes_answer_404_for_an_id_outside_the_format(
+        client: TestClient, caplog: pytest.LogCaptureFixture, session_id: str) -> None:
+    headers = _admin_headers(client)
+    for method, path in (("GET", f"/admin/sessions/{session_id}"),
+                         ("POST", f"/admin/sessions/{session_id}/evict"),
+                         ("POST", f"/admin/sessions/{session_id}/restore"),
+                         ("DELETE", f"/admin/sessions/{session_id}")):
+        answer = client.request(method, path, headers=headers)
+        assert answer.status_code == 404, (method, path, answer.text)
+        assert answer.json()["error"]["code"] == "not_found"
+    # Without the token, the token is what is missing (the id is not looked at first).
+    assert client.delete(f"/admin/sessions/{session_id}").status_code == 401
+    _assert_quiet(caplog)
+
+
+def test_admin_pagination_is_bounded(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    headers = _admin_headers(client)
+    for query in (f"offset={MAX_PAGE_OFFSET + 1}", "offset=9223372036854775808", "offset=-1",
+                  f"limit={MAX_PAGE_LIMIT + 1}", "limit=0"):
+        answer = client.get(f"/admin/sessions?{query}", headers=headers)
+        assert answer.status_code == 400, (query, answer.text)
+        assert answer.json()["error"]["code"] == "bad_request"
+    page = client.get(f"/admin/sessions?offset={MAX_PAGE_OFFSET}&limit={MAX_PAGE_LIMIT}", headers=headers)
+    assert page.status_code == 200 and page.json()["sessions"] == []
+    assert page.json()["offset"] == MAX_PAGE_OFFSET and page.json()["limit"] == MAX_PAGE_LIMIT
+    _assert_quiet(caplog)
