@@ -20,10 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
-from chatd.domain import SessionRecord, Tier
+from chatd.domain import SessionRecord, Tier, is_session_id
 from chatd.engine.runner import ModelRunner
 from chatd.engine.worker import EngineWorker
-from chatd.errors import NotFound
+from chatd.errors import BadRequest, NotFound
 from chatd.kv.manager import KVManager
 from chatd.kv.persistence import SnapshotService
 from chatd.protocol import Message, SessionInfo
@@ -34,6 +34,11 @@ from chatd.store.repo import Repo
 from chatd.turns import TurnResult, TurnRunner, to_message
 
 log = logging.getLogger(__name__)
+
+MAX_PAGE_LIMIT = 500
+"""The most sessions one page of :meth:`Chatd.list_sessions` (and ``GET /admin/sessions``) may ask for."""
+MAX_PAGE_OFFSET = 1_000_000_000
+"""The largest page offset accepted; beyond it is a BadRequest (SQLite's integers stop at 2**63 - 1)."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,12 @@ class Chatd:
         self.sessions.turns.on_turn.append(hook)
 
     async def list_sessions(self, tier: Tier | None = None, *, limit: int = 50, offset: int = 0) -> SessionListing:
-        """A page of sessions, most recently active first; ``tier`` keeps those whose cache is there now."""
+        """A page of sessions, most recently active first; ``tier`` keeps those whose cache is there now.
+        Raises BadRequest unless ``1 <= limit <= MAX_PAGE_LIMIT`` and ``0 <= offset <= MAX_PAGE_OFFSET``."""
+        if not 1 <= limit <= MAX_PAGE_LIMIT:
+            raise BadRequest(f"limit must be between 1 and {MAX_PAGE_LIMIT}")
+        if not 0 <= offset <= MAX_PAGE_OFFSET:
+            raise BadRequest(f"offset must be between 0 and {MAX_PAGE_OFFSET}")
         session_ids: list[str] | None = None
         if tier is not None:
             candidates = await self.repo.all_session_ids() if tier == "none" else self.tiers.cached_session_ids()
@@ -187,7 +197,8 @@ class Chatd:
 
     async def session_detail(self, session_id: str) -> SessionDetail:
         """The session, its messages with their token spans, and how much of it is cached.
-        Raises NotFound."""
+        Raises NotFound (also for an id outside the session-id format)."""
+        _require_session_id(session_id)
         record = await self.repo.get_session(session_id)
         if record is None:
             raise NotFound("no such session")
@@ -217,12 +228,14 @@ class Chatd:
         """Snapshot the session's cache (unless already on disk) and free its memory. ``done`` is False
         when it was not resident or the snapshot could not be written. Raises NotFound, and Busy while
         the session generates."""
+        _require_session_id(session_id)
         done = await self.sessions.evict(session_id)
         return ActionOutcome(done, self.tier(session_id))
 
     async def restore(self, session_id: str) -> ActionOutcome:
         """Load the session's cache now (from its snapshot, or recomputed when there is none); ``done``
         says it is resident afterwards. Raises NotFound."""
+        _require_session_id(session_id)
         restored = await self.sessions.restore(session_id)
         return ActionOutcome(restored == "device", self.tier(session_id))
 
@@ -230,3 +243,10 @@ class Chatd:
         """Delete the session, its messages, edit history and snapshot (a running generation is
         cancelled first). False when there was no such session."""
         return await self.sessions.delete(session_id)
+
+
+def _require_session_id(session_id: str) -> None:
+    # An id outside the format can name no session; refusing it here keeps arbitrary text away from
+    # the store and the snapshot folder (whose paths are built from ids).
+    if not is_session_id(session_id):
+        raise NotFound("no such session")

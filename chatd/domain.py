@@ -43,6 +43,16 @@ def is_session_id(text: str) -> bool:
     return _SESSION_ID_RE.fullmatch(text) is not None
 
 
+# A lone surrogate (U+D800..U+DFFF not part of a pair) can reach a str through JSON's \uXXXX escapes, but
+# it cannot be encoded as UTF-8: the tokenizer, the store and the JSON encoder all fail on it.
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def is_valid_unicode(text: str) -> bool:
+    """True when ``text`` can be encoded as UTF-8, i.e. it holds no lone surrogate."""
+    return _SURROGATE_RE.search(text) is None
+
+
 # Websocket transport constants (docs/protocol.md). The browser UI imports them from static/wire.js, generated
 # from this module by `python -m chatd.server.wirejs`.
 SUBPROTOCOL: Final = "chatd.v1"

@@ -9,12 +9,15 @@ turns text into a validated model or raises a :class:`~chatd.errors.ChatdError` 
 from __future__ import annotations
 
 import json
+import re
+from array import array
 from datetime import datetime
+from itertools import accumulate
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from chatd.domain import SESSION_ID_PATTERN, FinishReason, Role, SessionRecord, Tier
+from chatd.domain import SESSION_ID_PATTERN, FinishReason, Role, SessionRecord, Tier, is_valid_unicode
 from chatd.errors import BadRequest, ChatdError, TooLarge, UnknownType, describe_validation_errors
 
 PROTOCOL_VERSION = 1
@@ -25,6 +28,9 @@ SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 64
+MAX_NESTING_DEPTH = 32
+"""The deepest nesting of JSON arrays and objects a frame may have (the frame object itself is level 1).
+Real frames need 4; the limit keeps the JSON decoder far from Python's recursion limit."""
 
 
 class _Model(BaseModel):
@@ -236,22 +242,74 @@ _server_frames: TypeAdapter[ServerFrame] = TypeAdapter(ServerFrame)
 # ----------------------------------------------------------------------------- parsing
 
 
+# A JSON string literal (escapes included), written so that the regex engine does not backtrack.
+_JSON_STRING_RE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS_RE = re.compile(r"[^\[\]{}]+")
+# Opening brackets become the signed byte +1, closing ones -1, so the running sum is the depth.
+_BRACKET_STEPS = str.maketrans({"[": "\x01", "{": "\x01", "]": "\xff", "}": "\xff"})
+
+
+def nesting_depth(text: str) -> int:
+    """How deeply JSON arrays and objects nest in ``text``; brackets inside strings do not count.
+
+    A scan of the text, without parsing it (so without recursion), in C loops: about as fast as
+    ``json.loads`` of the same text. For text that is not valid JSON the answer is only an estimate.
+    """
+    brackets = _NOT_BRACKETS_RE.sub("", _JSON_STRING_RE.sub("", text))
+    steps = array("b", brackets.translate(_BRACKET_STEPS).encode("latin-1"))
+    return max(accumulate(steps, initial=0))
+
+
+def _invalid_unicode_at(data: Any, root: str) -> str | None:
+    """The location of the first string (value or key) in decoded JSON that is not valid Unicode, or None."""
+    stack: list[tuple[str, Any]] = [(root, data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if not is_valid_unicode(value):
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not is_valid_unicode(key):
+                    return f"{where} (a key)"
+                stack.append((f"{where}.{key}", item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}.{num}", item) for num, item in enumerate(value))
+    return None
+
+
 def _load_object(text: str | bytes, max_bytes: int | None) -> dict[str, Any]:
     if max_bytes is not None and len(text) > max_bytes:
         raise TooLarge(f"frame of {len(text)} bytes exceeds the limit of {max_bytes}")
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest("frame is not valid UTF-8") from None
+    # Checked before decoding: json.loads recurses once per level and deep input would hit RecursionError.
+    if nesting_depth(text) > MAX_NESTING_DEPTH:
+        raise BadRequest(f"frame is nested deeper than {MAX_NESTING_DEPTH} levels")
     try:
         data = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise BadRequest(f"frame is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequest("frame must be a JSON object")
     return data
 
 
+def _check_unicode(data: dict[str, Any]) -> None:
+    # JSON's \uXXXX escapes can spell a lone surrogate, which no later step (tokenizer, store, the JSON
+    # encoder of the answer) can encode; refuse it here, once for every field of every frame type.
+    where = _invalid_unicode_at(data, "frame")
+    if where is not None:
+        raise BadRequest(f"{where[:100]}: text is not valid Unicode (it holds a lone surrogate escape)")
+
+
 def request_id_of(data: dict[str, Any]) -> str | None:
     """The frame's ``id`` if it is a usable request id, else None (for echoing on errors)."""
     rid = data.get("id")
-    if isinstance(rid, str) and len(rid) <= MAX_REQUEST_ID_CHARS:
+    if isinstance(rid, str) and len(rid) <= MAX_REQUEST_ID_CHARS and is_valid_unicode(rid):
         return rid
     return None
 
@@ -259,13 +317,15 @@ def request_id_of(data: dict[str, Any]) -> str | None:
 def parse_client_frame(text: str | bytes, *, max_bytes: int | None = None) -> ClientFrame:
     """Validate one client frame.
 
-    Raises TooLarge (over ``max_bytes``), BadRequest (not JSON, not an object, missing or mistyped
+    Raises TooLarge (over ``max_bytes``), BadRequest (not JSON, nested deeper than
+    :data:`MAX_NESTING_DEPTH`, not an object, a string that is not valid Unicode, missing or mistyped
     fields; the message names them) or UnknownType. The raised error carries ``request_id`` when
     the frame had a usable ``id``.
     """
     data = _load_object(text, max_bytes)
     kind = data.get("type")
     try:
+        _check_unicode(data)
         if not isinstance(kind, str):
             raise BadRequest("frame needs a string field 'type'")
         if kind not in CLIENT_FRAME_TYPES:
@@ -284,6 +344,7 @@ def parse_client_frame(text: str | bytes, *, max_bytes: int | None = None) -> Cl
 def parse_server_frame(text: str | bytes) -> ServerFrame:
     """Validate one server frame (used by the client library). Raises BadRequest if invalid."""
     data = _load_object(text, None)
+    _check_unicode(data)
     kind = data.get("type")
     if not isinstance(kind, str) or kind not in SERVER_FRAME_TYPES:
         raise BadRequest(f"unknown server frame type {kind!r}")

@@ -17,13 +17,13 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from chatd.domain import SessionRecord, Tier, new_session_id
+from chatd.domain import SessionRecord, Tier, is_session_id, new_session_id
 from chatd.errors import Busy, ChatdError, ContextLengthExceeded, Internal, TooLarge
 from chatd.protocol import GenerationParams, Message, SessionInfo
 from chatd.stats import Tiers
 from chatd.store.repo import MessageRecord
 from chatd.tasks import TaskSet
-from chatd.turns import Turn, TurnRunner, to_message
+from chatd.turns import Turn, TurnRunner, require_unicode, to_message
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +64,22 @@ class SessionService:
     # ------------------------------------------------------------------ sessions
 
     async def create(self, *, system: str | None = None, title: str | None = None) -> SessionInfo:
+        """Create a session, with ``system`` as message 0 when given.
+
+        Raises BadRequest (text that is not valid Unicode), TooLarge or ContextLengthExceeded (the
+        system prompt); the input is checked and tokenised before the session is stored, so a refused
+        create leaves nothing behind.
+        """
         if system is not None and len(system) > self.settings.server.max_message_chars:
             raise TooLarge(f"system prompt exceeds the limit of {self.settings.server.max_message_chars} characters")
+        require_unicode(system or "", "system prompt")
+        require_unicode(title or "", "title")
+        ids = self.template.message_ids("system", system, 0) if system else None
+        if ids is not None and len(ids) >= self.info.max_context:
+            raise ContextLengthExceeded("the system prompt does not fit the model's context")
         session_id = new_session_id()
         record = await self.repo.create_session(session_id, (title or "").strip()[:200])
-        if system:
-            ids = self.template.message_ids("system", system, 0)
-            if len(ids) >= self.info.max_context:
-                await self.repo.delete_session(session_id)
-                raise ContextLengthExceeded("the system prompt does not fit the model's context")
+        if system and ids is not None:
             await self.repo.append_message(session_id, "system", system, ids)
             record = await self.turns.require(session_id)
         return self.session_info(record)
@@ -113,7 +120,10 @@ class SessionService:
         return await self.kv.evict(session_id)
 
     async def delete(self, session_id: str) -> bool:
-        """Delete the session, its messages and snapshot. A running generation is cancelled first."""
+        """Delete the session, its messages and snapshot. A running generation is cancelled first.
+        False when there was no such session (also for an id outside the session-id format)."""
+        if not is_session_id(session_id):
+            return False  # it names no session, and the snapshot store refuses to build a path from it
         holder = self._claims.get(session_id)
         if isinstance(holder, Turn):
             holder.cancel()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
-from chatd.domain import FinishReason
+from chatd.domain import FinishReason, is_valid_unicode
 from chatd.engine.runner import ModelInfo
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.worker import EngineWorker, GenerationFailed, GenerationHandle, GenerationResult, TextPiece
@@ -43,6 +43,15 @@ def to_message(record: MessageRecord, *, with_usage: bool = False) -> Message:
         message.finish_reason = record.finish_reason  # type: ignore[assignment]
         message.usage = Usage.model_validate(record.usage) if record.usage else None
     return message
+
+
+def require_unicode(text: str, what: str) -> None:
+    """Raise BadRequest when ``text`` holds a lone surrogate: the tokenizer and the store cannot encode it.
+
+    The wire's parser refuses such frames already; this guards every other caller of the service.
+    """
+    if not is_valid_unicode(text):
+        raise BadRequest(f"{what} is not valid Unicode (it holds a lone surrogate)")
 
 
 @dataclass(frozen=True)
@@ -158,11 +167,13 @@ class TurnRunner:
         return record
 
     def check_content(self, content: str) -> None:
+        """Raise BadRequest (empty, not valid Unicode) or TooLarge for message content no turn may take."""
         if not content.strip():
             raise BadRequest("message content must not be empty")
         if len(content) > self.settings.server.max_message_chars:
             raise TooLarge(
                 f"message of {len(content)} characters exceeds the limit of {self.settings.server.max_message_chars}")
+        require_unicode(content, "message content")
 
     def _resolve(self, params: GenerationParams | None, prompt_len: int) -> SamplingParams:
         """Resolve sampling params; refuse before any work when the reply cannot fit the context."""

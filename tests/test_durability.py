@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import errno
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -89,6 +90,22 @@ async def test_restore_is_bit_exact(make_settings: SettingsFactory, tiny_dir: Pa
         after = await _cache_tensors(core, sid)
         assert len(before) == len(after)
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(before, after, strict=True))
+        result = await turn(core, sid, "next", 2)
+        assert result.usage.cache_tier == "disk" and result.usage.restore_ms is not None
+
+
+async def test_a_snapshot_folder_deleted_at_runtime_is_recreated(make_settings: SettingsFactory, tiny_dir: Path,
+                                                                 tiny_runner: ModelRunner) -> None:
+    async with Chatd.open(make_settings(tiny_dir, cache={"restore_min_tokens": 0}), runner=tiny_runner,
+                          background=False) as core:
+        sid = (await core.sessions.create()).session_id
+        await turn(core, sid, "some history", 1, n=20)
+        shutil.rmtree(core.snapshots.store.folder)
+        # The eviction still writes its snapshot (into a recreated folder) and frees the memory.
+        assert await core.sessions.evict(sid)
+        assert not core.kv.is_resident(sid) and core.tier(sid) == "disk"
+        assert core.counters.num_snapshot_write_failures == 0
+        assert await core.sessions.restore(sid) == "device"
         result = await turn(core, sid, "next", 2)
         assert result.usage.cache_tier == "disk" and result.usage.restore_ms is not None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,10 +23,11 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from chatd import config
 from chatd.config import Settings
+from chatd.core import MAX_PAGE_LIMIT, MAX_PAGE_OFFSET
 from chatd.domain import CLOSE_IDLE, CLOSE_TOO_SLOW, CLOSE_UNAUTHORIZED, KEY_SUBPROTOCOL_PREFIX, SUBPROTOCOL
 from chatd.engine.runner import ModelRunner
 from chatd.errors import ERROR_CODES
-from chatd.protocol import PROTOCOL_VERSION, Pong
+from chatd.protocol import MAX_NESTING_DEPTH, PROTOCOL_VERSION, Pong
 from chatd.server.app import create_app
 from chatd.server.connection import Connection
 
@@ -160,6 +162,88 @@ def test_every_bad_frame_in_a_row_on_one_connection(client: TestClient) -> None:
         out_of_range = _ask(ws, {"type": "message.edit", "id": "e", "session_id": sid, "index": 5, "content": "x"})
         assert out_of_range["code"] == "bad_request" and out_of_range["id"] == "e"
         assert _ask(ws, {"type": "ping"}) == {"type": "pong"}
+
+
+def _assert_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    """A bad frame is the client's problem: at most one WARNING line, never an ERROR or a traceback."""
+    loud = [r for r in caplog.records if r.levelno > logging.WARNING or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]
+    assert sum(r.levelno == logging.WARNING for r in caplog.records) <= 1
+
+
+SID = "x" * 20
+# The JSON text holds the escape \ud800 (a lone surrogate): valid JSON, but not valid Unicode once decoded.
+LONE_SURROGATE_FRAMES: list[tuple[str, str | None]] = [
+    ('{"type": "ping", "id": "\\ud800"}', None),
+    ('{"type": "ping", "id": "ok\\udfffok"}', None),
+    ('{"type": "session.create", "id": "s1", "system": "be \\ud800 terse"}', "s1"),
+    ('{"type": "session.create", "id": "s2", "title": "\\udc00"}', "s2"),
+    ('{"type": "message.send", "id": "s3", "session_id": "' + SID + '", "content": "hi \\ud83d"}', "s3"),
+    ('{"type": "message.edit", "id": "s4", "session_id": "' + SID + '", "index": 0, "content": "\\ud800"}', "s4"),
+    ('{"type": "message.send", "id": "s5", "session_id": "' + SID + '", "content": "hi",'
+     ' "params": {"stop": ["ok", "\\ude00"]}}', "s5"),
+    ('{"type": "ping", "id": "s6", "\\ud800": 1}', "s6"),
+    ('{"type": "\\ud800", "id": "s7"}', "s7"),
+]
+
+
+@pytest.mark.parametrize(("text", "echoed"), LONE_SURROGATE_FRAMES,
+                         ids=["id", "id-inside", "system", "title", "content", "edit", "stop", "key", "type"])
+def test_lone_surrogates_are_a_bad_request_and_the_connection_stays_open(
+        client: TestClient, caplog: pytest.LogCaptureFixture, text: str, echoed: str | None) -> None:
+    with client.websocket_connect("/ws") as ws:
+        _open(ws)
+        ws.send_text(text)
+        frame: Frame = ws.receive_json()
+        assert frame["type"] == "error" and frame["code"] == "bad_request", frame
+        assert "Unicode" in frame["message"]
+        # An id that cannot be encoded is not echoed; a good one is.
+        assert frame.get("id") == echoed
+        assert _ask(ws, {"type": "ping", "id": "p"}) == {"type": "pong", "id": "p"}
+    _assert_quiet(caplog)
+
+
+def test_a_valid_surrogate_pair_is_a_character_not_an_error(client: TestClient) -> None:
+    with client.websocket_connect("/ws") as ws:
+        _open(ws)
+        ws.send_text('{"type": "ping", "id": "\\ud83d\\ude00"}')
+        assert ws.receive_json() == {"type": "pong", "id": "\U0001F600"}
+
+
+DEEP = 2000
+DEEP_FRAMES = [
+    "[" * DEEP + "]" * DEEP,
+    '{"a":' * DEEP + "1" + "}" * DEEP,
+    '{"type": "ping", "id": "d1", "x": ' + "[" * DEEP + "]" * DEEP + "}",
+    '{"type": "ping", "id": "d2", "x": ' + "[" * (MAX_NESTING_DEPTH + 1) + "]" * (MAX_NESTING_DEPTH + 1) + "}",
+]
+
+
+@pytest.mark.parametrize("text", DEEP_FRAMES, ids=["array", "object", "in-frame", "just-over"])
+def test_too_deep_nesting_is_a_bad_request_and_the_connection_stays_open(
+        client: TestClient, caplog: pytest.LogCaptureFixture, text: str) -> None:
+    with client.websocket_connect("/ws") as ws:
+        _open(ws)
+        ws.send_text(text)
+        frame: Frame = ws.receive_json()
+        assert frame["type"] == "error" and frame["code"] == "bad_request", frame
+        assert f"nested deeper than {MAX_NESTING_DEPTH}" in frame["message"]
+        assert _ask(ws, {"type": "ping", "id": "p"}) == {"type": "pong", "id": "p"}
+    _assert_quiet(caplog)
+
+
+def test_nesting_up_to_the_limit_is_parsed_and_brackets_in_strings_do_not_count(client: TestClient) -> None:
+    inner = MAX_NESTING_DEPTH - 1  # the frame object itself is one level
+    with client.websocket_connect("/ws") as ws:
+        _open(ws)
+        # Nested as deep as allowed: it parses, so the answer names the unknown field, not the depth.
+        ws.send_text('{"type": "ping", "id": "n", "x": ' + "[" * inner + "]" * inner + "}")
+        frame: Frame = ws.receive_json()
+        assert frame["code"] == "bad_request" and "nested" not in frame["message"] and "x" in frame["message"]
+        brackets = '[{\\"[' * DEEP
+        assert _ask(ws, {"type": "ping", "id": brackets[:100]}) == {"type": "pong", "id": brackets[:100]}
+        sid = _create(ws, title="[" * 150 + "{" * 50)
+        assert len(sid) >= 16
 
 
 def test_error_codes_sent_are_the_known_ones() -> None:
@@ -395,3 +479,42 @@ async def test_a_reader_too_slow_for_its_queue_is_closed_and_its_work_stopped() 
     assert ws.closed_with == CLOSE_TOO_SLOW
     assert handler.stops >= 1 and conn.closing
     conn.emit(Pong())  # a closing connection drops frames instead of failing
+
+
+# ----------------------------------------------------------------------------- admin HTTP, in process
+
+
+def _admin_headers(client: TestClient) -> dict[str, str]:
+    return {"Authorization": f"Bearer {client.app.state.admin_token}"}  # type: ignore[attr-defined]
+
+
+MALFORMED_IDS = ["short", "has.dots.and.is.long.enough", "with%20a%20space%20long%20enough", "a" * 65]
+
+
+@pytest.mark.parametrize("session_id", MALFORMED_IDS, ids=["short", "dots", "space", "too-long"])
+def test_admin_routes_answer_404_for_an_id_outside_the_format(
+        client: TestClient, caplog: pytest.LogCaptureFixture, session_id: str) -> None:
+    headers = _admin_headers(client)
+    for method, path in (("GET", f"/admin/sessions/{session_id}"),
+                         ("POST", f"/admin/sessions/{session_id}/evict"),
+                         ("POST", f"/admin/sessions/{session_id}/restore"),
+                         ("DELETE", f"/admin/sessions/{session_id}")):
+        answer = client.request(method, path, headers=headers)
+        assert answer.status_code == 404, (method, path, answer.text)
+        assert answer.json()["error"]["code"] == "not_found"
+    # Without the token, the token is what is missing (the id is not looked at first).
+    assert client.delete(f"/admin/sessions/{session_id}").status_code == 401
+    _assert_quiet(caplog)
+
+
+def test_admin_pagination_is_bounded(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    headers = _admin_headers(client)
+    for query in (f"offset={MAX_PAGE_OFFSET + 1}", "offset=9223372036854775808", "offset=-1",
+                  f"limit={MAX_PAGE_LIMIT + 1}", "limit=0"):
+        answer = client.get(f"/admin/sessions?{query}", headers=headers)
+        assert answer.status_code == 400, (query, answer.text)
+        assert answer.json()["error"]["code"] == "bad_request"
+    page = client.get(f"/admin/sessions?offset={MAX_PAGE_OFFSET}&limit={MAX_PAGE_LIMIT}", headers=headers)
+    assert page.status_code == 200 and page.json()["sessions"] == []
+    assert page.json()["offset"] == MAX_PAGE_OFFSET and page.json()["limit"] == MAX_PAGE_LIMIT
+    _assert_quiet(caplog)

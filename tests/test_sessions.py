@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -158,6 +159,30 @@ async def test_bad_input_changes_nothing(tiny_core: Chatd) -> None:
     with pytest.raises(BadRequest):
         await svc.edit(info.session_id, 0, "no messages yet", greedy(3)).wait()
     assert await tiny_core.repo.get_messages(info.session_id) == []
+
+
+async def test_text_that_is_not_valid_unicode_is_a_bad_request_and_leaves_nothing_behind(
+        tiny_core: Chatd, caplog: pytest.LogCaptureFixture) -> None:
+    # Python callers reach the service without the wire's parser: a lone surrogate must still be refused
+    # before anything is stored (the tokenizer and the store cannot encode it).
+    svc = tiny_core.sessions
+    num_sessions = await tiny_core.repo.count_sessions()
+    for fields in ({"system": "be \ud800 terse"}, {"title": "\udc00"}, {"system": "fine", "title": "t\udfff"}):
+        with pytest.raises(BadRequest, match="Unicode"):
+            await svc.create(**fields)
+    assert await tiny_core.repo.count_sessions() == num_sessions
+    info = await svc.create(system="You are terse.")
+    messages = await tiny_core.repo.get_messages(info.session_id)
+    for content in ("hi \ud83d", "\udfff"):
+        with pytest.raises(BadRequest, match="Unicode"):
+            await svc.send(info.session_id, content, greedy(3)).wait()
+        with pytest.raises(BadRequest, match="Unicode"):
+            await svc.edit(info.session_id, 0, content, greedy(3)).wait()
+    assert await tiny_core.repo.get_messages(info.session_id) == messages
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    # A character outside the BMP (a surrogate pair in JSON or UTF-16) is fine.
+    done = await svc.send(info.session_id, "smile \U0001F600", greedy(2)).wait()
+    assert isinstance(done, TurnResult) and done.user_message.content == "smile \U0001F600"
 
 
 async def test_edit_assistant_message_generates_nothing_and_next_turn_reuses_prefix(tiny_core: Chatd) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import BinaryIO
@@ -190,6 +191,23 @@ def test_failed_first_write_leaves_nothing(store: SnapshotStore) -> None:
     with pytest.raises(ValueError):
         store.write(SID_A, lambda f: (f.write(b"abc"), int("not a number")))
     assert not store.exists(SID_A) and os.listdir(store.folder) == []
+
+
+def test_a_folder_deleted_at_runtime_is_recreated_by_the_next_write(store: SnapshotStore) -> None:
+    store.write(SID_A, body(b"old"))
+    shutil.rmtree(store.folder)
+    # Reads see no snapshots rather than failing.
+    assert store.list() == {} and store.total_bytes() == 0 and not store.exists(SID_A)
+    assert store.write(SID_A, body(b"new!")) == 4
+    assert read(store, SID_A) == b"new!" and store.list() == {SID_A: 4}
+    assert temp_files(store.folder) == []
+
+
+def test_a_folder_deleted_with_its_parents_is_recreated(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "data" / "snapshots")
+    shutil.rmtree(tmp_path / "data")
+    assert store.write(SID_B, body(b"b" * 20)) == 20
+    assert read(store, SID_B) == b"b" * 20
 
 
 def test_construction_removes_leftover_temp_files_only(tmp_path: Path) -> None:

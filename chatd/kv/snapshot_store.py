@@ -73,12 +73,10 @@ class SnapshotStore:
         ENOSPC/EIO from write, flush, fsync or close, or the rename itself), the temp file is removed,
         the previous snapshot is untouched and the exception propagates. If only the final folder
         fsync fails, the new snapshot is in place but may not survive a power loss; that OSError
-        propagates too.
+        propagates too. A folder deleted since the store was made is created again (with its parents).
         """
         final = self.path_for(session_id)
-        fd, temp_name = tempfile.mkstemp(
-            dir=self._folder, prefix=f"{TEMP_PREFIX}{session_id}.", suffix=TEMP_SUFFIX
-        )
+        fd, temp_name = self._make_temp(session_id)
         try:
             try:
                 f = _open_for_write(fd)
@@ -97,6 +95,16 @@ class SnapshotStore:
             raise
         self._fsync_folder()
         return size
+
+    def _make_temp(self, session_id: str) -> tuple[int, str]:
+        prefix = f"{TEMP_PREFIX}{session_id}."
+        try:
+            return tempfile.mkstemp(dir=self._folder, prefix=prefix, suffix=TEMP_SUFFIX)
+        except FileNotFoundError:
+            # The folder was removed while we ran (an operator, a cleanup job): without recreating it here
+            # every later snapshot would fail and eviction could never free memory again.
+            self._folder.mkdir(parents=True, exist_ok=True)
+            return tempfile.mkstemp(dir=self._folder, prefix=prefix, suffix=TEMP_SUFFIX)
 
     def open(self, session_id: str) -> BinaryIO:
         """Open the session's completed snapshot for reading. FileNotFoundError if there is none."""
@@ -121,9 +129,14 @@ class SnapshotStore:
         return True
 
     def list(self) -> dict[str, int]:
-        """session_id -> file size of every completed snapshot (temp files and foreign names excluded)."""
+        """session_id -> file size of every completed snapshot (temp files and foreign names excluded).
+        Empty when the folder is gone (the next write creates it again)."""
         result: dict[str, int] = {}
-        for entry in os.scandir(self._folder):
+        try:
+            entries = list(os.scandir(self._folder))
+        except FileNotFoundError:
+            return result
+        for entry in entries:
             name = entry.name
             if not name.endswith(SNAPSHOT_SUFFIX):
                 continue

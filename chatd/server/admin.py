@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel
 
-from chatd.core import Chatd, SessionSummary
+from chatd.core import MAX_PAGE_LIMIT, MAX_PAGE_OFFSET, Chatd, SessionSummary
 from chatd.domain import Tier
 from chatd.errors import NotFound, Unauthorized
 from chatd.protocol import Message, SessionInfo
@@ -77,8 +77,8 @@ def _admin_session(summary: SessionSummary) -> AdminSession:
 
 @router.get("/sessions", response_model=SessionPage)
 async def list_sessions(core: CoreDep, tier: Tier | None = None,
-                        limit: Annotated[int, Query(ge=1, le=500)] = 50,
-                        offset: Annotated[int, Query(ge=0)] = 0) -> SessionPage:
+                        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT)] = 50,
+                        offset: Annotated[int, Query(ge=0, le=MAX_PAGE_OFFSET)] = 0) -> SessionPage:
     """Sessions, most recently active first; ``tier`` filters by where their cache is now."""
     listing = await core.list_sessions(tier, limit=limit, offset=offset)
     return SessionPage(sessions=[_admin_session(s) for s in listing.sessions], total=listing.total, limit=limit,
