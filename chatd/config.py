@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from chatd.domain import split_host
 from chatd.errors import ConfigError, describe_validation_errors
 
 ENV_PREFIX = "CHATD_"
@@ -108,8 +109,17 @@ class ServerSettings(_Section):
     """Bearer token for /admin; empty means one is generated into ``<data_dir>/admin_token``."""
     api_keys: list[str] = Field(default_factory=list)
     """Keys accepted on /ws; empty leaves /ws open."""
+    allowed_hosts: list[str] = Field(default_factory=list)
+    """Host header values accepted on every request (HTTP and /ws); others get 400 or a refused handshake,
+    which stops DNS-rebinding pages. Entries are ``name`` (any port) or ``name:port``, IPv6 in brackets;
+    ``*`` allows any Host. Empty = ``host`` plus ``localhost``, ``127.0.0.1`` and ``[::1]``, each with
+    ``port`` or without a port (with any port when ``port`` is 0). A list replaces these defaults."""
     allowed_origins: list[str] = Field(default_factory=list)
-    """Browser Origins allowed on /ws besides the server's own; ``*`` allows any."""
+    """Browser Origins allowed on /ws besides those whose host (and port) is an allowed host; ``*`` allows
+    any. Compared as exact strings (``https://chat.example``)."""
+    metrics_token: str = ""
+    """Bearer token for /metrics; empty leaves /metrics open. Separate from the admin token: neither opens
+    the other's routes."""
     max_frame_bytes: int = Field(default=1 << 20, ge=1024)
     max_message_chars: int = Field(default=32_000, ge=1)
     max_generations_per_connection: int = Field(default=4, ge=1)
@@ -117,6 +127,14 @@ class ServerSettings(_Section):
     idle_timeout_s: float = Field(default=600.0, gt=0)
     send_queue_frames: int = Field(default=1024, ge=16)
     """Frames buffered per connection for a slow reader before its generations are cancelled."""
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if entry != "*" and split_host(entry) is None:
+                raise ValueError(f"{entry!r} is not a host name, an address or one with a :port")
+        return value
 
 
 class Settings(_Section):

@@ -62,6 +62,26 @@ CLOSE_UNAUTHORIZED: Final = 4401
 CLOSE_TOO_SLOW: Final = 4408
 
 
+# A DNS name or IPv4 address (underscores allowed: container names use them), or an IPv6 address in
+# brackets, then an optional port. Nothing else can appear in a Host header a browser sends, and refusing
+# the rest keeps a reflected Host from injecting anything into a response header.
+_HOST_RE = re.compile(r"(?P<name>[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\.?|\[[0-9a-f:.]+\])(?::(?P<port>[0-9]{1,5}))?")
+
+
+def split_host(value: str) -> tuple[str, int | None] | None:
+    """``(name, port)`` of a Host header value or an origin's ``host[:port]``: the name lower-cased and
+    without a trailing dot, the port None when absent. None when ``value`` is not of that form (or the
+    port is over 65535)."""
+    match = _HOST_RE.fullmatch(value.lower())
+    if match is None:
+        return None
+    port = None if match["port"] is None else int(match["port"])
+    if port is not None and port > 65535:
+        return None
+    name = match["name"]
+    return (name[:-1] if name.endswith(".") else name), port
+
+
 class SessionRecord(BaseModel):
     """A stored conversation as every layer sees it (the wire's SessionInfo adds where its cache is)."""
 

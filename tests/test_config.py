@@ -32,6 +32,8 @@ def test_env_overrides_and_paths(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "env", "needle"), [
     ("[server]\nprot = 1\n", {}, "server.prot"),
     ("[server]\nport = 70000\n", {}, "server.port"),
+    ("[server]\nallowed_hosts = [\"evil.example; x\"]\n", {}, "server.allowed_hosts"),
+    ("[server]\nallowed_hosts = [\"http://chat.example\"]\n", {}, "server.allowed_hosts"),
     ("[cache]\ndevice_budget_mb = -1\n", {}, "cache.device_budget_mb"),
     ("[model]\ndevice = \"tpu\"\n", {}, "model.device"),
     ("[server\n", {}, "cannot read config file"),
