@@ -38,8 +38,9 @@ Frame = dict[str, Any]
 
 
 def _settings(data_dir: Path, model_dir: Path, **server: Any) -> Settings:
+    # TestClient sends ``Host: testserver``; the default allow-list (loopback names) rightly refuses it.
     server = {"max_message_chars": MAX_CHARS, "max_frame_bytes": MAX_FRAME, "max_generations_per_connection": 2,
-              **server}
+              "allowed_hosts": ["testserver"], **server}
     return config.load(env={}, overrides={"data_dir": str(data_dir), "model": {"source": str(model_dir)},
                                           "cache": {"persist_idle_s": 0, "idle_evict_s": 0}, "server": server})
 
@@ -421,7 +422,7 @@ def test_foreign_origin_is_refused_before_accept(make_client: Callable[..., Test
         with client.websocket_connect("/ws", headers={"Origin": "https://evil.example"}):
             pass
     assert refused.value.code == 1008  # the server turns a close before accept into HTTP 403
-    for origin in ("https://chat.example", "http://testserver"):  # listed, and the server's own
+    for origin in ("https://chat.example", "http://testserver"):  # listed, and an allowed host
         with client.websocket_connect("/ws", headers={"Origin": origin}) as ws:
             _open(ws)
 
@@ -518,3 +519,100 @@ def test_admin_pagination_is_bounded(client: TestClient, caplog: pytest.LogCaptu
     assert page.status_code == 200 and page.json()["sessions"] == []
     assert page.json()["offset"] == MAX_PAGE_OFFSET and page.json()["limit"] == MAX_PAGE_LIMIT
     _assert_quiet(caplog)
+
+
+# ----------------------------------------------------------------------------- browser-facing hardening
+
+PORT = 8123
+
+
+def _refused(client: TestClient, headers: dict[str, str]) -> int:
+    """The close code of a websocket handshake that must be refused before accept."""
+    with pytest.raises(WebSocketDisconnect) as refused:
+        with client.websocket_connect("/ws", headers=headers):
+            pass
+    return refused.value.code
+
+
+def test_dns_rebinding_handshake_is_refused(make_client: Callable[..., TestClient]) -> None:
+    # The default allow-list, no API keys: what a fresh install runs with.
+    client = make_client(allowed_hosts=[], port=PORT)
+    rebind = f"rebind.example:{PORT}"
+    assert _refused(client, {"Host": rebind, "Origin": f"http://{rebind}"}) == 1008
+    assert _refused(client, {"Host": rebind}) == 1008  # a program with a foreign Host, too
+    # An allowed Host does not make a foreign Origin acceptable.
+    assert _refused(client, {"Host": f"127.0.0.1:{PORT}", "Origin": f"http://{rebind}"}) == 1008
+
+
+def test_foreign_host_on_http_gets_400(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(allowed_hosts=[], port=PORT)
+    for path in ("/healthz", "/", "/metrics", "/admin/stats"):
+        for host in (f"rebind.example:{PORT}", "testserver", f"localhost:{PORT + 1}", "bad host;", ""):
+            answer = client.get(path, headers={"Host": host})
+            assert answer.status_code == 400, (path, host, answer.text)
+            assert answer.json()["error"]["code"] == "bad_request"
+            assert set(answer.json()["error"]) == {"code", "message"}
+
+
+def test_loopback_hosts_and_browser_origins_are_allowed_by_default(
+        make_client: Callable[..., TestClient]) -> None:
+    client = make_client(allowed_hosts=[], port=PORT)
+    for name in ("127.0.0.1", "localhost", "[::1]", "LOCALHOST"):
+        for host in (name, f"{name}:{PORT}"):
+            assert client.get("/healthz", headers={"Host": host}).status_code == 200, host
+    own = f"127.0.0.1:{PORT}"
+    for origin in (f"http://{own}", f"http://localhost:{PORT}", "http://[::1]"):
+        with client.websocket_connect("/ws", headers={"Host": own, "Origin": origin}) as ws:
+            _open(ws)
+    assert _refused(client, {"Host": own, "Origin": f"http://127.0.0.1:{PORT + 1}"}) == 1008
+    assert _refused(client, {"Host": own, "Origin": "null"}) == 1008
+
+
+def test_configured_hosts_and_origins(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(allowed_hosts=["chat.example", "api.example:8443"], allowed_origins=["https://app.example"])
+    for host, status in (("chat.example", 200), ("chat.example:9000", 200), ("api.example:8443", 200),
+                         ("api.example", 400), ("127.0.0.1:8000", 400)):  # the list replaces the defaults
+        assert client.get("/healthz", headers={"Host": host}).status_code == status, host
+    for origin in ("https://chat.example", "https://app.example", "https://api.example:8443"):
+        with client.websocket_connect("/ws", headers={"Host": "chat.example", "Origin": origin}) as ws:
+            _open(ws)
+    assert _refused(client, {"Host": "chat.example", "Origin": "https://evil.example"}) == 1008
+
+    # "*" turns the Host check off; a browser must still come from the page's own origin or the list.
+    client = make_client(allowed_hosts=["*"], allowed_origins=["https://app.example"])
+    assert client.get("/healthz", headers={"Host": "anything.example"}).status_code == 200
+    for origin in ("http://anything.example", "https://app.example"):
+        with client.websocket_connect("/ws", headers={"Host": "anything.example", "Origin": origin}) as ws:
+            _open(ws)
+    assert _refused(client, {"Host": "anything.example", "Origin": "https://evil.example"}) == 1008
+
+
+def test_security_headers_on_the_ui_and_admin(client: TestClient) -> None:
+    for path in ("/", "/app.js", "/style.css"):
+        answer = client.get(path)
+        assert answer.status_code == 200, path
+        csp = answer.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+        assert "connect-src 'self' ws://testserver wss://testserver" in csp
+        assert answer.headers["x-frame-options"] == "DENY"
+        assert answer.headers["x-content-type-options"] == "nosniff"
+        assert answer.headers["referrer-policy"] == "no-referrer"
+        assert "cache-control" not in answer.headers or "no-store" not in answer.headers["cache-control"]
+    for headers in (_admin_headers(client), {}):  # answers and refusals alike
+        answer = client.get("/admin/stats", headers=headers)
+        assert answer.status_code in (200, 401)
+        assert answer.headers["cache-control"] == "no-store"
+        assert answer.headers["x-content-type-options"] == "nosniff"
+
+
+def test_metrics_token(make_client: Callable[..., TestClient], client: TestClient) -> None:
+    assert client.get("/metrics").status_code == 200  # open by default
+    guarded = make_client(metrics_token="m-secret")
+    assert guarded.get("/metrics").status_code == 401
+    assert guarded.get("/metrics").json()["error"]["code"] == "unauthorized"
+    assert guarded.get("/metrics", headers=_admin_headers(guarded)).status_code == 401
+    assert guarded.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    answer = guarded.get("/metrics", headers={"Authorization": "Bearer m-secret"})
+    assert answer.status_code == 200 and "chatd_" in answer.text
+    assert guarded.get("/admin/stats", headers={"Authorization": "Bearer m-secret"}).status_code == 401
+    assert guarded.get("/admin/stats", headers=_admin_headers(guarded)).status_code == 200

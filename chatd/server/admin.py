@@ -5,7 +5,6 @@ docs/protocol.md."""
 
 from __future__ import annotations
 
-import hmac
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -16,6 +15,7 @@ from chatd.core import MAX_PAGE_LIMIT, MAX_PAGE_OFFSET, Chatd, SessionSummary
 from chatd.domain import Tier
 from chatd.errors import NotFound, Unauthorized
 from chatd.protocol import Message, SessionInfo
+from chatd.server.security import bearer_matches
 from chatd.stats import Stats
 
 
@@ -26,9 +26,7 @@ def _core(request: Request) -> Chatd:
 
 def require_admin(request: Request) -> None:
     expected: str = request.app.state.admin_token
-    header = request.headers.get("authorization", "")
-    token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-    if not token or not hmac.compare_digest(token.encode(), expected.encode()):
+    if not bearer_matches(request.headers.get("authorization"), expected):
         raise Unauthorized("admin token required (Authorization: Bearer <token>)")
 
 

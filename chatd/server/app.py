@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -19,9 +19,10 @@ from chatd import __version__
 from chatd.config import Settings
 from chatd.core import Chatd
 from chatd.engine.runner import ModelRunner
-from chatd.errors import ChatdError, describe_validation_errors
+from chatd.errors import ChatdError, Unauthorized, describe_validation_errors
 from chatd.server import admin
 from chatd.server.metrics import CONTENT_TYPE, Metrics
+from chatd.server.security import WILDCARD_BIND, HostAllowList, SecurityMiddleware, bearer_matches
 from chatd.server.ws import websocket_endpoint
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,19 @@ def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> Fast
 
     app = FastAPI(title="chatd", version=__version__, lifespan=lifespan,
                   description="Session-aware chat backend: websocket chat at /ws, session admin under /admin.")
+    hosts = HostAllowList.from_settings(settings.server)
+    app.state.allowed_hosts = hosts
+    # Outermost, so that every answer (errors included) is stamped and no route runs for a foreign Host.
+    app.add_middleware(SecurityMiddleware, hosts=hosts)
+    if settings.server.host in WILDCARD_BIND and not settings.server.allowed_hosts:
+        log.warning("listening on all interfaces, but only loopback Host names are accepted: "
+                    "list the names clients use in [server] allowed_hosts")
+
+    def require_metrics_token(request: Request) -> None:
+        """/metrics is open unless ``metrics_token`` is set; the admin token never stands in for it."""
+        token = settings.server.metrics_token
+        if token and not bearer_matches(request.headers.get("authorization"), token):
+            raise Unauthorized("metrics token required (Authorization: Bearer <token>)")
 
     @app.exception_handler(ChatdError)
     async def chatd_error(request: Request, exc: ChatdError) -> JSONResponse:
@@ -94,7 +108,7 @@ def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> Fast
         body = {"status": "ok" if ok else "engine_stopped", "model": core.runner.info.name, "version": __version__}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get("/metrics", tags=["ops"], dependencies=[Depends(require_metrics_token)])
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 

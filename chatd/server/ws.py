@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from starlette.websockets import WebSocket
 
@@ -22,21 +21,11 @@ from chatd.errors import Unauthorized
 from chatd.protocol import ErrorFrame, Hello
 from chatd.server.connection import Connection
 from chatd.server.dispatch import Dispatcher
+from chatd.server.security import HostAllowList, origin_allowed
 
 if TYPE_CHECKING:
     from chatd.core import Chatd
     from chatd.server.metrics import Metrics
-
-
-def origin_allowed(origin: str | None, host: str | None, allowed: list[str]) -> bool:
-    """Browsers send Origin: allow the server's own origin and the configured list. Programs that send
-    no Origin are not browsers and are governed by the API key alone."""
-    if origin is None:
-        return True
-    if "*" in allowed or origin in allowed:
-        return True
-    parts = urlsplit(origin)
-    return bool(host) and parts.netloc == host
 
 
 def offered_key(ws: WebSocket) -> str | None:
@@ -68,13 +57,15 @@ def key_valid(key: str | None, keys: list[str]) -> bool:
 async def websocket_endpoint(ws: WebSocket) -> None:
     """``GET /ws``: check the origin and the API key, then pump frames through a Dispatcher until the end.
 
-    A refused origin gets HTTP 403 at handshake time; a missing or wrong key gets one ``unauthorized``
+    The Host was checked by :class:`~chatd.server.security.SecurityMiddleware` already. A refused origin
+    gets HTTP 403 at handshake time; a missing or wrong key gets one ``unauthorized``
     error frame and close code 4401. The subprotocol is selected when offered.
     """
     state = ws.app.state
     core: Chatd = state.core
     settings = core.settings.server
-    if not origin_allowed(ws.headers.get("origin"), ws.headers.get("host"), settings.allowed_origins):
+    hosts: HostAllowList = state.allowed_hosts
+    if not origin_allowed(ws.headers.get("origin"), ws.headers.get("host"), hosts, settings.allowed_origins):
         await ws.close(code=1008)  # before accept: the handshake is refused with 403
         return
     offered = ws.scope.get("subprotocols", [])
