@@ -104,7 +104,7 @@ async def test_a_dead_engine_fails_everything_promptly(tiny_core: Chatd) -> None
 
 def test_healthz_reports_a_dead_engine(make_settings, tiny_dir, tiny_runner) -> None:  # type: ignore[no-untyped-def]
     app = create_app(make_settings(tiny_dir), runner=tiny_runner)
-    with TestClient(app) as http:
+    with TestClient(app, base_url="http://127.0.0.1") as http:  # a Host the default allow-list accepts
         assert http.get("/healthz").status_code == 200
         core: Chatd = app.state.core
 
