@@ -64,11 +64,6 @@ class DenseLinear:
         out = F.linear(x.to(self.weight.dtype), self.weight, None if self.bias is None else self.bias)
         return out.float()
 
-    @property
-    def num_bytes(self) -> int:
-        size = self.weight.numel() * self.weight.element_size()
-        return size + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
-
 
 class Int8Linear:
     """Weight-only int8 with one scale per output channel (symmetric, round to nearest)."""
@@ -90,10 +85,6 @@ class Int8Linear:
         # The CPU kernel is fast only with bf16 activations and scales (fp32 takes a scalar path ~30x slower).
         out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight, self.scales).float()
         return out if self.bias is None else out + self.bias
-
-    @property
-    def num_bytes(self) -> int:
-        return self.weight.numel() + 2 * self.scales.numel()
 
 
 class RowSwitchLinear:
@@ -164,15 +155,6 @@ class LlamaWeights:
     layers: list[LlamaLayer]
     norm: torch.Tensor  # [hidden] fp32
     lm_head: Linear  # hidden -> vocab
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of the weights a decode step reads (the embedding is looked up, not read whole)."""
-        total = 0
-        for layer in self.layers:
-            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                total += int(getattr(linear, "num_bytes", 0))
-        return total + int(getattr(self.lm_head, "num_bytes", 0))
 
 
 def weights_from_transformers(model: Any, make_linear: Callable[[torch.Tensor, torch.Tensor | None], Linear]
