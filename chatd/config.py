@@ -90,7 +90,7 @@ class CacheSettings(_Section):
     """A session's first turn (or one that finds no cache of its own) starts from the longest prefix
     another resident session holds, copied instead of recomputed. Off: no session's cache serves another
     (``cached_tokens`` and timing then say nothing about what other sessions sent)."""
-    share_min_tokens: int = Field(default=32, ge=1)
+    share_min_tokens: int = Field(default=16, ge=1)
     """Shared prefixes shorter than this are recomputed instead (not worth a copy)."""
     restore_min_tokens: int = Field(default=64, ge=0)
     """Histories shorter than this are recomputed instead of restored (cheaper than a file read)."""

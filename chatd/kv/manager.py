@@ -184,10 +184,11 @@ class KVManager:
                                            reuse_limit=max(len(prompt) - 1, 0))
         if restored is not None:
             return restored
-        donor = self._best_donor(session_id, prompt)
-        await self._make_room(capacity * self.bytes_per_token, protect={donor} if donor else set())
-        # Decide and hand the copy to the engine thread with no await in between: the engine runs calls in
-        # order, so no eviction, truncation or forward pass queued later can touch the donor's prefix first.
+        # Room first, by plain LRU (a would-be donor is not protected: sharing never changes who is
+        # evicted), then pick the donor among the sessions still resident. Decide and hand the copy to the
+        # engine thread with no await in between: the engine runs calls in order, so no eviction,
+        # truncation or forward pass queued later can touch the donor's prefix first.
+        await self._make_room(capacity * self.bytes_per_token, protect=())
         donor = self._best_donor(session_id, prompt)
         shared = 0
         if donor is not None:
