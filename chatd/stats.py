@@ -40,7 +40,7 @@ class Counters:
     copies them at one moment, rather than field by field.
     """
 
-    # Written by the session service (today through the core's turn hook) as each reply is committed.
+    # Written by the turn runner (chatd/turns.py) as each reply is committed.
     num_turns: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens whose K/V came from a cache (device or snapshot)."""
