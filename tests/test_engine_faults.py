@@ -18,7 +18,7 @@ from chatd.core import Chatd
 from chatd.engine import worker as worker_module
 from chatd.engine.runner import ModelRunner
 from chatd.engine.sampling import SamplingError, SamplingParams, make_generator, sample
-from chatd.engine.worker import EngineWorker, GenerationResult
+from chatd.engine.worker import WIDE_STEP_ROWS, EngineWorker, GenerationResult
 from chatd.errors import ChatdError, Internal
 from chatd.protocol import GenerationParams
 from chatd.server.app import create_app
@@ -121,21 +121,18 @@ def test_healthz_reports_a_dead_engine(make_settings, tiny_dir, tiny_runner) -> 
         assert health.status_code == 503 and health.json()["status"] == "engine_stopped"
 
 
-async def test_decode_steps_run_on_their_own_thread_count(tiny_runner: ModelRunner,
+async def test_small_steps_run_on_the_decode_thread_count(tiny_runner: ModelRunner,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str, set[int]] = {"prefill": set(), "decode": set()}
-    real_prefill, real_decode = tiny_runner.prefill, tiny_runner.decode
+    # A wide step (a prompt of WIDE_STEP_ROWS tokens or more) takes every thread; a one-session decode
+    # step takes decode_threads.
+    seen: dict[str, set[int]] = {"wide": set(), "small": set()}
+    real_step = tiny_runner.step
 
-    def prefill(cache: Any, ids: Any) -> torch.Tensor:
-        seen["prefill"].add(torch.get_num_threads())
-        return real_prefill(cache, ids)
+    def step(caches: Any, runs: Any) -> torch.Tensor:
+        seen["wide" if sum(map(len, runs)) >= WIDE_STEP_ROWS else "small"].add(torch.get_num_threads())
+        return real_step(caches, runs)
 
-    def decode(caches: Any, ids: Any) -> torch.Tensor:
-        seen["decode"].add(torch.get_num_threads())
-        return real_decode(caches, ids)
-
-    monkeypatch.setattr(tiny_runner, "prefill", prefill)
-    monkeypatch.setattr(tiny_runner, "decode", decode)
+    monkeypatch.setattr(tiny_runner, "step", step)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -143,11 +140,12 @@ async def test_decode_steps_run_on_their_own_thread_count(tiny_runner: ModelRunn
         assert (worker.prefill_threads, worker.decode_threads) == (2, 1)
         worker.start()
         try:
-            handle = worker.generate(tiny_runner.new_cache(), [1, 2, 3, 4], SamplingParams(max_tokens=4))
+            prompt = list(range(1, WIDE_STEP_ROWS + 5))
+            handle = worker.generate(tiny_runner.new_cache(), prompt, SamplingParams(max_tokens=4))
             events = [event async for event in handle.events()]
             assert isinstance(events[-1], GenerationResult) and len(events[-1].generated_ids) == 4
         finally:
             worker.stop()
     finally:
         torch.set_num_threads(before)
-    assert seen == {"prefill": {2}, "decode": {1}}
+    assert seen == {"wide": {2}, "small": {1}}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from chatd.config import GenerationSettings
@@ -83,6 +85,39 @@ def test_prefill_in_chunks_equals_one_pass(tiny_runner: ModelRunner) -> None:
         b = tiny_runner.prefill(chunked, ids[start:start + 64])
     assert torch.allclose(a, b, atol=1e-4)
     assert torch.allclose(whole.growable_layers[1].keys, chunked.growable_layers[1].keys, atol=1e-5)
+
+
+def _packed_step_equals_separate_runs(runner: ModelRunner) -> None:
+    """One packed step over prompt chunks of different lengths and decode tokens, each on a cache with a
+    different history, equals running each alone: the same logits and the same K/V appended."""
+    histories = [[1, 20, 30, 40], [1, 50], [], [1, 60, 70, 80, 90, 100, 110], [1, 5, 6]]
+    runs = [[7], list(range(200, 237)), list(range(300, 305)), [9], list(range(400, 418))]
+
+    def caches() -> list[Any]:
+        made = [runner.new_cache() for _ in histories]
+        for cache, history in zip(made, histories, strict=True):
+            if history:
+                runner.prefill(cache, history)
+        return made
+
+    alone_caches, packed_caches = caches(), caches()
+    alone = torch.stack([runner.step([c], [r])[0] for c, r in zip(alone_caches, runs, strict=True)])
+    packed = runner.step(packed_caches, runs)
+    assert packed.shape == alone.shape and torch.allclose(packed, alone, atol=1e-4)
+    for a, b in zip(alone_caches, packed_caches, strict=True):
+        assert a.length == b.length
+        for layer in (0, len(a.growable_layers) - 1):
+            assert torch.allclose(a.growable_layers[layer].keys, b.growable_layers[layer].keys, atol=1e-5)
+            assert torch.allclose(a.growable_layers[layer].values, b.growable_layers[layer].values, atol=1e-5)
+
+
+def test_packed_step_equals_separate_runs(tiny_runner: ModelRunner) -> None:
+    assert tiny_runner.forward is not None  # the compact forward packs every run into one pass
+    _packed_step_equals_separate_runs(tiny_runner)
+
+
+def test_packed_step_equals_separate_runs_on_transformers_forward(tiny_runner: ModelRunner) -> None:
+    _packed_step_equals_separate_runs(ModelRunner(tiny_runner.model, tiny_runner.tokenizer, tiny_runner.info))
 
 
 def test_reconcile_prefix_rules() -> None:

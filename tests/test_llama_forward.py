@@ -113,29 +113,61 @@ def q4_runner(real_runner: ModelRunner) -> ModelRunner:
     return ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, gguf_forward(torch.device("cpu")))
 
 
-@pytest.mark.real_model
-def test_q4_tracks_the_dequantised_fp32_forward(q4_runner: ModelRunner, real_reference: torch.nn.Module) -> None:
+@pytest.fixture(scope="module")
+def q4_twin_runner(real_runner: ModelRunner) -> ModelRunner:
+    """q4 as the server runs it: the blocks for small steps, a dense twin (bf16 where the CPU has bf16
+    matmul units) for steps of many rows."""
+    forward = gguf_forward(torch.device("cpu"), real_runner.model)
+    return ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, forward)
+
+
+CHAT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
+           "Explain what a KV cache is in one sentence.", "List three prime numbers.")
+
+
+def _tracks_reference(runner: ModelRunner, reference_model: torch.nn.Module, copies: int) -> None:
     # The fp32 reference runs the GGUF's blocks dequantised (the converted model), so the only difference
-    # is arithmetic: bf16 activations into the int4 kernel. Along the reference's own greedy continuation
-    # (teacher forcing), q4 must pick the same token nearly always, and only ever differ on near-ties.
-    tokenizer = q4_runner.tokenizer
-    agree = total = 0
-    for text in ("What is the capital of France?", "Write a haiku about the sea.",
-                 "Explain what a KV cache is in one sentence.", "List three prime numbers."):
+    # is arithmetic (bf16 activations, and bf16-rounded weights in the dense twin). Along the reference's
+    # own greedy continuation (teacher forcing), each prompt decoded ``copies`` times in one batch must
+    # pick the same token nearly always, and only ever differ on near-ties.
+    tokenizer = runner.tokenizer
+    prompts, references, continuations = [], [], []
+    for text in CHAT_PROMPTS:
         prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                     return_dict=True)["input_ids"])
-        continuation = reference_greedy(real_reference, prompt, 24, q4_runner.info.eos_token_ids)
+        continuation = reference_greedy(reference_model, prompt, 24, runner.info.eos_token_ids)[:16]
         with torch.inference_mode():
-            reference = real_reference(input_ids=torch.tensor([prompt + continuation])).logits[0]
-        reference = reference[len(prompt) - 1 : len(prompt) + len(continuation) - 1]  # [n, vocab]
-        cache = q4_runner.new_cache()
-        got = [q4_runner.prefill(cache, prompt)]
-        got += [q4_runner.decode([cache], [token])[0] for token in continuation[:-1]]
-        q4 = torch.stack(got)
-        assert float((q4 - reference).abs().max()) <= 1.0
-        same = q4.argmax(-1) == reference.argmax(-1)
-        agree, total = agree + int(same.sum()), total + len(continuation)
+            logits = reference_model(input_ids=torch.tensor([prompt + continuation])).logits[0]
+        prompts.append(prompt)
+        continuations.append(continuation)
+        references.append(logits[len(prompt) - 1 : len(prompt) + len(continuation) - 1])  # [n, vocab]
+    rows = [i for i in range(len(CHAT_PROMPTS)) for _ in range(copies)]
+    caches = [runner.new_cache() for _ in rows]
+    got: list[list[torch.Tensor]] = [[runner.prefill(cache, prompts[i])] for cache, i in zip(caches, rows, strict=True)]
+    steps = min(len(c) for c in continuations) - 1
+    for position in range(steps):
+        logits = runner.decode(caches, [continuations[i][position] for i in rows])
+        for row in range(len(rows)):
+            got[row].append(logits[row])
+    agree = total = 0
+    for row, i in enumerate(rows):
+        ours, want = torch.stack(got[row]), references[i][: steps + 1]
+        assert float((ours - want).abs().max()) <= 1.0
+        same = ours.argmax(-1) == want.argmax(-1)
+        agree, total = agree + int(same.sum()), total + len(same)
         for position in (~same).nonzero().flatten().tolist():
-            top2 = reference[position].topk(2).values
-            assert float(top2[0] - top2[1]) < 0.5, f"q4 left a clear choice at {position} of {text!r}"
+            top2 = want[position].topk(2).values
+            assert float(top2[0] - top2[1]) < 0.5, f"left a clear choice at {position} of {CHAT_PROMPTS[i]!r}"
     assert agree / total >= 0.9
+
+
+@pytest.mark.real_model
+def test_q4_tracks_the_dequantised_fp32_forward(q4_runner: ModelRunner, real_reference: torch.nn.Module) -> None:
+    _tracks_reference(q4_runner, real_reference, copies=1)  # the blocks alone: one row per step
+
+
+@pytest.mark.real_model
+def test_q4_wide_steps_track_the_dequantised_fp32_forward(q4_twin_runner: ModelRunner,
+                                                          real_reference: torch.nn.Module) -> None:
+    # Prompts prefill through the dense twin, and 8 rows per decode step take it too.
+    _tracks_reference(q4_twin_runner, real_reference, copies=2)

@@ -98,22 +98,18 @@ async def test_concurrent_sessions_interleave_and_match_solo_runs(tiny_core: Cha
 async def test_model_runs_only_on_the_engine_thread(tiny_core: Chatd) -> None:
     seen: set[str] = set()
     runner = tiny_core.runner
-    original_prefill, original_decode = runner.prefill, runner.decode
+    original_step = runner.step
 
-    def prefill(*args: object, **kwargs: object) -> object:
+    def step(*args: object, **kwargs: object) -> object:
         seen.add(threading.current_thread().name)
-        return original_prefill(*args, **kwargs)  # type: ignore[arg-type]
+        return original_step(*args, **kwargs)  # type: ignore[arg-type]
 
-    def decode(*args: object, **kwargs: object) -> object:
-        seen.add(threading.current_thread().name)
-        return original_decode(*args, **kwargs)  # type: ignore[arg-type]
-
-    runner.prefill, runner.decode = prefill, decode  # type: ignore[method-assign]
+    runner.step = step  # type: ignore[method-assign]
     try:
         info = await tiny_core.sessions.create()
         await tiny_core.sessions.send(info.session_id, "Hello", greedy(5)).wait()
     finally:
-        runner.prefill, runner.decode = original_prefill, original_decode  # type: ignore[method-assign]
+        runner.step = original_step  # type: ignore[method-assign]
     assert seen == {"chatd-engine"}
 
 

@@ -14,6 +14,7 @@ the projections). Both append the new positions' K/V to the caches and return lo
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -21,7 +22,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 
-from chatd.engine.kvcache import SessionKV
+from chatd.engine.kvcache import GrowableLayer, SessionKV
 from chatd.engine.quant import GGUFWeights
 
 # Model types whose forward this module has been checked to reproduce (tests/test_llama_forward.py);
@@ -58,14 +59,13 @@ class DenseLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight  # [out_features, in_features]
-        self.bias = bias  # [out_features] or None
+        self.bias = None if bias is None else bias.to(weight.dtype)  # [out_features] or None
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == x.dtype:
             return F.linear(x, self.weight, self.bias)
-        out = F.linear(x.to(self.weight.dtype), self.weight, None if self.bias is None else self.bias)
-        return out.float()
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
 
 
 class Int8Linear:
@@ -243,73 +243,86 @@ class LlamaForward:
     # ------------------------------------------------------------------ entry points
 
     @torch.inference_mode()
+    def step(self, caches: Sequence[SessionKV], runs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One packed forward pass: append ``runs[i]`` (non-empty token ids) to ``caches[i]`` for every ``i``
+        and return the logits of each run's last position, ``[len(runs), vocab]`` fp32.
+
+        Runs may be prompt chunks of any length and single decode tokens alike; they are concatenated
+        without padding, so every projection runs once over all rows. Attention runs per run over its own
+        cache (a decode token over the whole cache, a chunk causally over the cache and itself), so run
+        ``i``'s result equals running it alone, up to float rounding.
+        """
+        lengths = [len(run) for run in runs]
+        starts = [cache.length for cache in caches]
+        ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lengths, strict=True)])
+        h = self.weights.embed(ids)  # [rows, hidden] fp32
+        rope = self._rope_table(positions.to(self.device))
+        # Causal over the cached prefix and the run itself: new token j sees positions <= start + j. A
+        # single new token sees everything, so needs no mask.
+        masks = [None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+                 .tril(diagonal=start).repeat(self.group, 1) for start, n in zip(starts, lengths, strict=True)]
+        bounds = list(itertools.accumulate(lengths, initial=0))
+        for index, layer in enumerate(self.weights.layers):
+            q, k, v = self._qkv(layer, h, rope)
+            outs = []
+            for run, cache in enumerate(caches):
+                lo, hi = bounds[run], bounds[run + 1]
+                outs.append(self._attend(cache.growable_layers[index], q[lo:hi], k[lo:hi], v[lo:hi], masks[run]))
+            out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [rows, heads * head_dim]
+            h = h + layer.o(out)
+            h = h + self._mlp(layer, h)
+        last = torch.tensor(bounds[1:], device=self.device) - 1
+        return self._logits(h[last])
+
+    def _attend(self, layer_cache: GrowableLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """Append one run's ``k``, ``v`` ``[n, kv_heads, head_dim]`` to its cache layer and attend its
+        ``q`` ``[n, heads, head_dim]`` over the cache; returns ``[n, heads * head_dim]``."""
+        s = self.shape
+        n = q.shape[0]
+        keys, values = layer_cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # [1, kv, len, hd]
+        # Fold each KV head's query group into the query length, [1, kv_heads, group * n, head_dim]: one
+        # 4-D SDPA call takes the fused CPU kernel (3-D inputs fall back to two matmuls).
+        folded = q.view(n, s.num_kv_heads, self.group, s.head_dim).permute(1, 2, 0, 3)
+        folded = folded.reshape(1, s.num_kv_heads, self.group * n, s.head_dim)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
+        if n == 1:
+            return out.reshape(1, -1)
+        return out.view(s.num_kv_heads, self.group, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+
     def prefill(self, cache: SessionKV, token_ids: Sequence[int]) -> torch.Tensor:
         """Append ``token_ids`` (non-empty) to ``cache``; return the last position's logits ``[vocab]`` fp32."""
-        s = self.shape
-        start, n = cache.length, len(token_ids)
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + n, device=self.device)
-        h = self.weights.embed(ids)  # [n, hidden] fp32
-        rope = self._rope_table(positions)
-        # Causal over the cached prefix and the new run: new token i sees positions <= start + i.
-        mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        mask = mask.repeat(self.group, 1)
-        for index, layer in enumerate(self.weights.layers):
-            q, k, v = self._qkv(layer, h, rope)
-            keys, values = cache.growable_layers[index].update(
-                k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # [1, kv_heads, start + n, head_dim]
-            # Fold each KV head's query group into the query length: [kv_heads, group * n, head_dim].
-            q_folded = q.view(n, s.num_kv_heads, self.group, s.head_dim).permute(1, 2, 0, 3)
-            q_folded = q_folded.reshape(s.num_kv_heads, self.group * n, s.head_dim)
-            out = F.scaled_dot_product_attention(q_folded[None], keys, values, attn_mask=mask, scale=self.scale)
-            out = out.view(s.num_kv_heads, self.group, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
-            h = h + layer.o(out)
-            h = h + self._mlp(layer, h)
-        return self._logits(h[-1:])[0]
+        return self.step([cache], [token_ids])[0]
 
-    @torch.inference_mode()
     def decode(self, caches: Sequence[SessionKV], token_ids: Sequence[int]) -> torch.Tensor:
-        """Feed one token to each cache in one pass; return logits ``[batch, vocab]`` fp32.
-
-        Row ``i`` sees only ``caches[i]``: the result equals calling each alone (up to float rounding).
-        """
-        s = self.shape
-        batch = len(caches)
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
-        positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=self.device)
-        h = self.weights.embed(ids)  # [batch, hidden] fp32
-        rope = self._rope_table(positions)
-        for index, layer in enumerate(self.weights.layers):
-            q, k, v = self._qkv(layer, h, rope)
-            # One query per row, so no mask: each row attends over its own cache, new position included.
-            q_rows = q.view(batch, s.num_kv_heads, self.group, s.head_dim)
-            outs = []
-            for row, cache in enumerate(caches):
-                keys, values = cache.growable_layers[index].update(k[row, :, None][None], v[row, :, None][None])
-                # 4-D inputs take SDPA's fused CPU kernel (3-D ones fall back to two matmuls).
-                outs.append(F.scaled_dot_product_attention(q_rows[row][None], keys, values, scale=self.scale))
-            out = torch.cat(outs).view(batch, -1)  # [batch, heads * head_dim]
-            h = h + layer.o(out)
-            h = h + self._mlp(layer, h)
-        return self._logits(h)
+        """Feed one token to each cache in one pass; return logits ``[batch, vocab]`` fp32."""
+        return self.step(caches, [[token] for token in token_ids])
 
 
-# Batches of at least this many rows run a GGUF model's dense fp32 copy (when one is given).
-DENSE_MIN_ROWS = 32
+def bf16_matmul_is_fast() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16). There a dense bf16
+    matmul of a few rows or more costs about what reading its weights costs, flat from 4 to 64 rows, where
+    the int4 kernel pays for every row (docs/performance.md, "Decode engine")."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    try:
+        return any(bool(getattr(torch.cpu, name)()) for name in probes if hasattr(torch.cpu, name))
+    except RuntimeError:
+        return False
 
 
-def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None) -> LlamaWeights:
+def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None, min_rows: int = 32) -> LlamaWeights:
     """The compact forward over a GGUF's own quantised blocks (chatd/engine/quant.py): Q4_1 projections
     through the int4 kernel, the Q8_0 embedding looked up row by row and used as the LM head.
 
-    ``dense``: the same weights dequantised (e.g. the converted fp32 model); batches of at least
-    DENSE_MIN_ROWS rows (prefill chunks) then run those, where fp32 is faster than the int4 kernel."""
+    ``dense``: the same weights dequantised (fp32, or bf16 where the CPU has bf16 matmul units); batches of
+    at least ``min_rows`` rows (prefill chunks, batched decode steps) then run those, LM head included."""
     d = gguf.dims
     shape = LlamaShape(num_layers=d.num_layers, hidden_size=d.hidden_size, num_heads=d.num_heads,
                        num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, vocab_size=d.vocab_size,
                        rms_norm_eps=d.rms_norm_eps, rope_theta=d.rope_theta, max_positions=d.context_length)
     def pick(small: Linear, large: Linear | None) -> Linear:
-        return small if large is None else RowSwitchLinear(small, large, DENSE_MIN_ROWS)
+        return small if large is None else RowSwitchLinear(small, large, min_rows)
 
     layers = []
     for index, layer in enumerate(gguf.layers):
@@ -320,4 +333,4 @@ def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None) -> L
             gate_up=pick(layer.gate_up, twin.gate_up if twin else None),
             down=pick(layer.down, twin.down if twin else None)))
     return LlamaWeights(shape=shape, embed=gguf.embed_tokens.rows, layers=layers, norm=gguf.final_norm,
-                        lm_head=cast(Linear, gguf.lm_head))
+                        lm_head=pick(cast(Linear, gguf.lm_head), dense.lm_head if dense is not None else None))

@@ -2,15 +2,16 @@
 
 The model runs either as chatd's compact Llama-family forward (chatd/engine/llama.py, with weights in
 the precision ``[model] weights`` picks) or as transformers' own forward (``weights = "transformers"``,
-and any architecture the compact forward does not cover). Two entry points, both to be called from the
-engine worker thread only:
+and any architecture the compact forward does not cover). All entry points are for the engine worker
+thread only:
 
-* :meth:`ModelRunner.prefill` appends a run of token ids to one session's cache and returns the
-  logits of the last position;
-* :meth:`ModelRunner.decode` advances several sessions by one token each in a single forward pass.
-  The linear layers (the weights, which dominate the memory traffic of a decode step) run batched;
-  attention runs per row on each session's own K/V buffers, so sessions of different lengths batch
-  without padding or copying their caches.
+* :meth:`ModelRunner.step` is the engine's one forward pass: it appends a run of token ids to each of
+  several sessions' caches (prompt chunks and single decode tokens alike) and returns each run's last
+  logits. The linear layers (the weights, which dominate the memory traffic) run once over all rows
+  packed together; attention runs per run on each session's own K/V buffers, so sessions of different
+  lengths batch without padding or copying their caches;
+* :meth:`ModelRunner.prefill` (one session, a run) and :meth:`ModelRunner.decode` (one token for each of
+  several sessions) are the two special cases, for callers outside the engine loop (benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from chatd.engine.llama import (
     Linear,
     LlamaForward,
     LlamaShape,
+    bf16_matmul_is_fast,
     weights_from_gguf,
     weights_from_transformers,
 )
@@ -270,15 +272,29 @@ def compact_forward(model: Any, weights: str, device: torch.device) -> LlamaForw
     return LlamaForward(weights_from_transformers(model, make), device)
 
 
+# Batches of at least this many rows run the dense twin of a ``q4`` model: bf16 where the CPU multiplies
+# bf16 in hardware (its cost is flat in the rows, the int4 kernel's grows with each), else fp32, which only
+# pays from prefill-sized batches on.
+BF16_TWIN_MIN_ROWS = 12
+FP32_TWIN_MIN_ROWS = 32
+
+
 def gguf_forward(device: torch.device, dequantised: Any | None = None) -> LlamaForward:
     """The compact forward over the packaged GGUF's own Q4_1 / Q8_0 blocks (CPU int4 kernel).
 
-    ``dequantised``: the converted fp32 model (the same weights, dequantised exactly); prefill chunks run
-    it, where fp32 is faster than the int4 kernel, while decode steps run the blocks."""
+    ``dequantised``: the converted fp32 model (the same weights, dequantised exactly). Batches of several
+    rows (prefill chunks, decode steps of many sessions) run a dense twin made from it: bf16 on a CPU with
+    bf16 matmul units, else fp32 for prefill-sized batches; single-session decode steps run the blocks."""
     if device.type != "cpu":
         raise ConfigError('model.weights = "q4" runs on the CPU; use bfloat16 on CUDA')
-    dense = weights_from_transformers(dequantised) if dequantised is not None else None
-    return LlamaForward(weights_from_gguf(load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF), dense), device)
+    gguf = load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF)
+    if dequantised is None:
+        return LlamaForward(weights_from_gguf(gguf), device)
+    if bf16_matmul_is_fast():
+        twin = weights_from_transformers(
+            dequantised, lambda w, b: DenseLinear(w.to(torch.bfloat16).contiguous(), b))
+        return LlamaForward(weights_from_gguf(gguf, twin, BF16_TWIN_MIN_ROWS), device)
+    return LlamaForward(weights_from_gguf(gguf, weights_from_transformers(dequantised), FP32_TWIN_MIN_ROWS), device)
 
 
 class ModelRunner:
@@ -370,23 +386,43 @@ class ModelRunner:
         return SessionKV(i.num_layers, i.num_kv_heads, i.head_dim, i.dtype, i.device)
 
     @torch.inference_mode()
+    def step(self, caches: Sequence[SessionKV], runs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append ``runs[i]`` (non-empty token ids: a prompt chunk or one decode token) to ``caches[i]`` for
+        every ``i``; return the logits of each run's last position, ``[len(runs), vocab]``.
+
+        The compact forward does it in one packed pass. transformers' forward runs the single-token runs
+        as one batched decode and each longer run as its own prefill."""
+        if self.forward is not None:
+            return self.forward.step(caches, runs)
+        logits: list[torch.Tensor | None] = [None] * len(runs)
+        singles = [i for i, run in enumerate(runs) if len(run) == 1]
+        if singles:
+            batch = self._decode_transformers([caches[i] for i in singles], [runs[i][0] for i in singles])
+            for row, i in enumerate(singles):
+                logits[i] = batch[row]
+        for i, run in enumerate(runs):
+            if len(run) > 1:
+                logits[i] = self._prefill_transformers(caches[i], run)
+        return torch.stack([row for row in logits if row is not None])
+
     def prefill(self, cache: SessionKV, token_ids: Sequence[int]) -> torch.Tensor:
         """Append ``token_ids`` (non-empty) to ``cache``; return the last position's logits ``[vocab]``."""
-        if self.forward is not None:
-            return self.forward.prefill(cache, token_ids)
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.info.device)  # [1, n]
-        positions = torch.arange(cache.length, cache.length + ids.shape[1], device=self.info.device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
+        return self.step([cache], [token_ids])[0]
 
-    @torch.inference_mode()
     def decode(self, caches: Sequence[SessionKV], token_ids: Sequence[int]) -> torch.Tensor:
         """Feed one token to each cache in one forward pass; return logits ``[batch, vocab]``.
 
         Row ``i`` sees only ``caches[i]``: the result equals calling each alone (up to float rounding).
         """
-        if self.forward is not None:
-            return self.forward.decode(caches, token_ids)
+        return self.step(caches, [[token] for token in token_ids])
+
+    def _prefill_transformers(self, cache: SessionKV, token_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.info.device)  # [1, n]
+        positions = torch.arange(cache.length, cache.length + ids.shape[1], device=self.info.device)[None]
+        out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    def _decode_transformers(self, caches: Sequence[SessionKV], token_ids: Sequence[int]) -> torch.Tensor:
         device = self.info.device
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)[:, None]  # [batch, 1]
         positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)[:, None]

@@ -4,9 +4,10 @@ The event loop hands it work through a queue and gets results back through
 ``loop.call_soon_threadsafe``; nothing here blocks the loop. Work is of two kinds:
 
 * generations (:meth:`EngineWorker.generate`): each is a prefill of the tokens the cache lacks,
-  then decoding until EOS, ``max_tokens``, a stop string or cancellation. Long prefills run in
-  chunks; all sessions that are decoding advance together in one batched forward pass; prefill
-  chunks and decode steps alternate, so a long prompt never freezes the other sessions' streams;
+  then decoding until EOS, ``max_tokens``, a stop string or cancellation. Each step is one packed
+  forward pass over the next token of every decoding session and up to ``prefill_chunk_tokens``
+  prompt tokens of waiting generations (continuous batching): long prompts run in chunks, so they
+  never freeze the other sessions' streams, and many short prompts start in the same pass;
 * calls (:meth:`EngineWorker.call`): any function that touches tensors (crop, reserve, export
   for a snapshot, restore), run between steps so it never races a forward pass.
 """
@@ -125,6 +126,8 @@ class _Call:
 
 
 _STOP = object()
+# A step of at least this many rows (prompt tokens plus decode tokens) runs on the prefill thread count.
+WIDE_STEP_ROWS = 8
 
 
 class EngineWorker:
@@ -146,7 +149,6 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._prefilling: deque[_Job] = deque()
         self._decoding: deque[_Job] = deque()
-        self._prefill_turn = False
         # Set (once) when the thread ended on an error it could not contain; then every job and call fails.
         self.failure: BaseException | None = None
         # Its num_engine_* totals are written only by the worker thread.
@@ -233,7 +235,7 @@ class EngineWorker:
         try:
             self._loop()
         except BaseException as exc:
-            # Per-job errors are contained in _prefill_chunk / _decode_step; reaching here is a bug in
+            # Per-job errors are contained in _step and _sample_and_accept; reaching here is a bug in
             # the worker itself. Fail every job and call, now and later, instead of leaving them hanging.
             log.critical("the engine thread died; every generation fails from now on", exc_info=exc)
             self.failure = exc
@@ -295,69 +297,60 @@ class EngineWorker:
                 self._finish(job, "cancelled")
 
     def _step(self) -> None:
-        # Alternate prefill and decode steps when both kinds of work are waiting. A prefill step spends
-        # up to prefill_chunk_tokens tokens, over as many waiting prompts as fit: short prompts of many
-        # new sessions start together instead of one per decode step, and a long prompt is split.
-        do_prefill = bool(self._prefilling) and (self._prefill_turn or not self._decoding)
-        self._prefill_turn = not self._prefill_turn
-        if do_prefill:
-            self._use_threads(self.prefill_threads)
-            budget = self.prefill_chunk_tokens
-            while budget > 0 and self._prefilling:
-                budget -= self._prefill_chunk(self._prefilling[0], budget)
-        elif self._decoding:
-            self._use_threads(self.decode_threads)
-            self._decode_step()
-
-    @staticmethod
-    def _use_threads(num_threads: int) -> None:
-        # A decode step is hundreds of small parallel regions, each as slow as its slowest thread: with
-        # every core busy in torch, any other thread (the event loop) stalls them all. Prefill's big
-        # matmuls barely notice, so the two kinds of step may run on different thread counts.
-        if torch.get_num_threads() != num_threads:
-            torch.set_num_threads(num_threads)
-
-    def _prefill_chunk(self, job: _Job, max_tokens: int) -> int:
-        """Prefill up to ``max_tokens`` more of ``job``'s prompt; return how many were fed."""
-        start = job.prefill_pos
-        chunk = job.prefill_ids[start : start + max_tokens]
+        """One forward pass over every decoding session's next token (up to ``max_batch_size``) and as many
+        waiting prompt tokens as fit in ``prefill_chunk_tokens``, packed together: a long prompt is split
+        over several steps while the other sessions keep streaming, and the short prompts of many new
+        sessions start in the same pass instead of queueing one forward each."""
+        decoding = list(itertools.islice(self._decoding, self.max_batch_size))
+        if len(self._decoding) > len(decoding):
+            self._decoding.rotate(-len(decoding))
+        budget = self.prefill_chunk_tokens
+        prefilling: list[tuple[_Job, list[int]]] = []
+        for job in self._prefilling:
+            if budget <= 0:
+                break
+            chunk = job.prefill_ids[job.prefill_pos : job.prefill_pos + budget]
+            prefilling.append((job, chunk))
+            budget -= len(chunk)
+        if not decoding and not prefilling:
+            return
+        tokens = [job.pending for job in decoding if job.pending is not None]
+        assert len(tokens) == len(decoding), "every decoding job has a sampled token to feed"
+        jobs = decoding + [job for job, _ in prefilling]
+        runs = [[token] for token in tokens] + [chunk for _, chunk in prefilling]
+        self._use_threads(self.prefill_threads if sum(map(len, runs)) >= WIDE_STEP_ROWS else self.decode_threads)
         try:
-            logits = self.runner.prefill(job.cache, chunk)
+            logits = self.runner.step([job.cache for job in jobs], runs)
         except Exception as exc:
-            self._prefilling.remove(job)
-            self._fail(job, exc)
-            return max(len(chunk), 1)
-        self.counters.num_engine_prefill_tokens += len(chunk)
-        job.prefill_pos += len(chunk)
-        if job.prefill_pos < len(job.prefill_ids):
-            # Round robin among prefilling jobs, chunk by chunk.
-            self._prefilling.rotate(-1)
-            return len(chunk)
-        self._prefilling.remove(job)
-        job.prefill_done_at = time.monotonic()
-        if self._sample_and_accept(job, logits):
-            self._decoding.append(job)
-        return len(chunk)
-
-    def _decode_step(self) -> None:
-        batch = list(itertools.islice(self._decoding, self.max_batch_size))
-        if len(self._decoding) > len(batch):
-            self._decoding.rotate(-len(batch))
-        tokens = [job.pending for job in batch if job.pending is not None]
-        assert len(tokens) == len(batch), "every decoding job has a sampled token to feed"
-        try:
-            logits = self.runner.decode([job.cache for job in batch], tokens)
-        except Exception as exc:
-            for job in batch:
-                self._decoding.remove(job)
+            for job in jobs:
+                (self._decoding if job in decoding else self._prefilling).remove(job)
                 self._fail(job, exc)
             return
-        self.counters.num_engine_decode_steps += 1
-        self.counters.num_engine_decode_tokens += len(batch)
-        for row, job in enumerate(batch):
+        if decoding:
+            self.counters.num_engine_decode_steps += 1
+            self.counters.num_engine_decode_tokens += len(decoding)
+        for row, job in enumerate(decoding):
             job.pending = None
             if not self._sample_and_accept(job, logits[row]):
                 self._decoding.remove(job)
+        for row, (job, chunk) in enumerate(prefilling, start=len(decoding)):
+            self.counters.num_engine_prefill_tokens += len(chunk)
+            job.prefill_pos += len(chunk)
+            self._prefilling.remove(job)
+            if job.prefill_pos < len(job.prefill_ids):
+                self._prefilling.append(job)  # round robin: the rest of a long prompt waits its turn
+                continue
+            job.prefill_done_at = time.monotonic()
+            if self._sample_and_accept(job, logits[row]):
+                self._decoding.append(job)
+
+    @staticmethod
+    def _use_threads(num_threads: int) -> None:
+        # A small step is hundreds of small parallel regions, each as slow as its slowest thread: with
+        # every core busy in torch, any other thread (the event loop) stalls them all. Wide steps (prompt
+        # chunks, many sessions) do enough work per op not to notice, so they get every thread.
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
 
     def _sample_and_accept(self, job: _Job, logits: torch.Tensor) -> bool:
         """Sample ``job``'s next token from its ``logits`` ``[vocab]`` and record it; return False when the
