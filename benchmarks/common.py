@@ -41,6 +41,7 @@ FIGURE_KEYS = (
     "concurrency",
     "memory",
     "shared_prefix",
+    "openai_resend",
 )
 
 

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_figures(bench: Bench, wanted: list[str], corpus: Corpus) -> None:
-    from benchmarks import conversation, memory, serving, snapshots
+    from benchmarks import conversation, memory, openai_api, serving, snapshots
 
     figures = bench.results
     if "restore_vs_prefill" in wanted or "snapshot_codecs" in wanted:
@@ -239,3 +239,5 @@ def _run_figures(bench: Bench, wanted: list[str], corpus: Corpus) -> None:
         _run(bench, "memory", lambda: memory.run_memory(bench))
     if "shared_prefix" in wanted:
         _run(bench, "shared_prefix", lambda: conversation.run_shared_prefix(bench, corpus))
+    if "openai_resend" in wanted:
+        _run(bench, "openai_resend", lambda: openai_api.run_openai_resend(bench, corpus))

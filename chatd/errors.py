@@ -29,6 +29,22 @@ class BadRequest(ChatdError):
     http_status = 400
 
 
+class InvalidParam(BadRequest):
+    """A request field that is malformed or names a feature chatd does not have; ``param`` names the field
+    (the OpenAI API's errors carry it), None for the request as a whole."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Unavailable(ChatdError):
+    """The server cannot serve the request now (its engine has stopped)."""
+
+    code = "unavailable"
+    http_status = 503
+
+
 class UnknownType(ChatdError):
     code = "unknown_type"
     http_status = 400

@@ -19,11 +19,12 @@ from typing import Any
 
 from chatd.domain import SessionRecord, Tier, is_session_id, new_session_id
 from chatd.errors import Busy, ChatdError, ContextLengthExceeded, Internal, TooLarge
+from chatd.pool import PrefixPool
 from chatd.protocol import GenerationParams, Message, SessionInfo
 from chatd.stats import Tiers
 from chatd.store.repo import MessageRecord
 from chatd.tasks import TaskSet
-from chatd.turns import Turn, TurnRunner, require_unicode, to_message
+from chatd.turns import Conversation, Turn, TurnRunner, require_unicode, to_message
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class SessionService:
             turns.settings, turns.repo, turns.template, turns.info, turns.kv)
         self._claims: dict[str, Turn | str] = {}
         self._background = TaskSet()
+        self.pool = PrefixPool(self.kv)
+        """The ephemeral caches of stateless requests (:meth:`complete`)."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -163,6 +166,31 @@ class SessionService:
         turn = Turn(session_id)
         self._claim(session_id, turn)
         turn.task = asyncio.ensure_future(self._guard(turn, self.turns.edit(turn, index, content, params)))
+        return turn
+
+    def converse(self, session_id: str, messages: Conversation, params: GenerationParams | None = None) -> Turn:
+        """Bring the session to ``messages`` (a whole conversation, ending with a user message) and reply.
+
+        Stored messages that equal the caller's are kept; from the first that differs they are replaced, as
+        an edit replaces them (see :meth:`TurnRunner.converse`). Raises Busy immediately when the session is
+        already changing; NotFound, BadRequest and ContextLengthExceeded come from the turn's stream."""
+        turn = Turn(session_id)
+        self._claim(session_id, turn)
+        turn.task = asyncio.ensure_future(self._guard(turn, self.turns.converse(turn, messages, params)))
+        return turn
+
+    def complete(self, messages: Conversation, params: GenerationParams | None = None, *,
+                 partition: str = "") -> Turn:
+        """Reply to a conversation that is stored nowhere (a stateless request), in a pool cache chosen by
+        its longest shared prefix (:class:`~chatd.pool.PrefixPool`). ``partition`` keeps callers apart: a
+        request takes over only caches of its own partition.
+
+        Raises BadRequest or TooLarge immediately for a conversation no turn may take; the turn's
+        ``session_id`` is the pool cache's id, which is no session and must not be shown to the caller."""
+        prompt = self.turns.render(messages)
+        turn = Turn(self.pool.choose(prompt, partition, busy=self._claims.__contains__))
+        self._claim(turn.session_id, turn)
+        turn.task = asyncio.ensure_future(self._guard(turn, self.turns.complete(turn, prompt, messages, params)))
         return turn
 
     async def _guard(self, turn: Turn, work: Coroutine[Any, Any, None]) -> None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
-from chatd.domain import FinishReason, is_valid_unicode
+from chatd.domain import FinishReason, Role, is_valid_unicode
 from chatd.engine.runner import ModelInfo
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.worker import EngineWorker, GenerationFailed, GenerationHandle, GenerationResult, TextPiece
@@ -33,6 +34,10 @@ from chatd.store.repo import MessageRecord, Repo, SessionRecord
 log = logging.getLogger(__name__)
 
 TITLE_CHARS = 60
+
+Conversation = Sequence[tuple[Role, str]]
+"""A whole conversation sent by a caller that keeps it (the OpenAI API): (role, content) pairs, ending
+with a user message."""
 
 
 def to_message(record: MessageRecord, *, with_usage: bool = False) -> Message:
@@ -52,6 +57,13 @@ def require_unicode(text: str, what: str) -> None:
     """
     if not is_valid_unicode(text):
         raise BadRequest(f"{what} is not valid Unicode (it holds a lone surrogate)")
+
+
+def _transient(session_id: str, index: int, role: Role, content: str, token_ids: tuple[int, ...], *,
+               finish_reason: FinishReason | None = None) -> MessageRecord:
+    """A message of a stateless request: shaped like a stored one, stored nowhere."""
+    return MessageRecord(message_id=0, session_id=session_id, index=index, role=role, content=content,
+                         token_ids=token_ids, created_at=datetime.now(UTC), finish_reason=finish_reason, usage=None)
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,9 @@ class TurnRunner:
         """Raise BadRequest (empty, not valid Unicode) or TooLarge for message content no turn may take."""
         if not content.strip():
             raise BadRequest("message content must not be empty")
+        self._check_text(content)
+
+    def _check_text(self, content: str) -> None:
         if len(content) > self.settings.server.max_message_chars:
             raise TooLarge(
                 f"message of {len(content)} characters exceeds the limit of {self.settings.server.max_message_chars}")
@@ -232,9 +247,72 @@ class TurnRunner:
         user, _ = await self.repo.replace_from(turn.session_id, index, role, content, new_ids)
         await self._generate(turn, user, prompt, resolved, started, invalidated_from=invalidated_from)
 
+    def check_conversation(self, messages: Conversation) -> None:
+        """Raise BadRequest or TooLarge for a conversation no turn may take: it must end with a user
+        message with content; system and assistant messages may be empty."""
+        if not messages or messages[-1][0] != "user":
+            raise BadRequest("the conversation must end with a user message")
+        for role, content in messages:
+            if role == "user":
+                self.check_content(content)
+            else:
+                self._check_text(content)
+
+    async def complete(self, turn: Turn, prompt: Sequence[int], messages: Conversation,
+                       params: GenerationParams | None) -> None:
+        """Generate a reply to a conversation that is stored nowhere (a stateless request): ``turn.session_id``
+        names an ephemeral cache (never snapshotted) whose longest shared prefix with ``prompt`` is reused.
+        ``prompt`` is :meth:`render` of ``messages``."""
+        started = time.monotonic()
+        resolved = self._resolve(params, len(prompt))
+        user = _transient(turn.session_id, len(messages) - 1, "user", messages[-1][1], ())
+        await self._generate(turn, user, list(prompt), resolved, started, invalidated_from=None, stored=False)
+
+    def render(self, messages: Conversation) -> list[int]:
+        """The prompt ids of a whole conversation (each message rendered at its position)."""
+        self.check_conversation(messages)
+        return self.template.prompt_ids(self.template.message_ids(role, content, index)
+                                        for index, (role, content) in enumerate(messages))
+
+    async def converse(self, turn: Turn, messages: Conversation, params: GenerationParams | None) -> None:
+        """Bring a stored session to the conversation the caller sent, like an edit, and reply to it.
+
+        Messages equal (role and content) to the stored ones keep their stored ids, so a reply the server
+        generated keeps its exact ids. From the first message that differs, the stored messages are replaced
+        (the old ones archived as edit history, as :meth:`edit` does) by the caller's; the cache is cut at
+        the first token that changed. The last message (a user one) is always committed anew: resending the
+        stored conversation unchanged regenerates its last reply."""
+        started = time.monotonic()
+        self.check_conversation(messages)
+        record = await self.require(turn.session_id)
+        stored = await self.repo.get_messages(turn.session_id)
+        same = 0
+        while same < min(len(stored), len(messages)) and (stored[same].role, stored[same].content) == messages[same]:
+            same += 1
+        start = min(same, len(messages) - 1)
+        kept = [m.token_ids for m in stored[:start]]
+        new = [self.template.message_ids(role, content, index)
+               for index, (role, content) in enumerate(messages[start:], start)]
+        prompt = self.template.prompt_ids([*kept, *new])
+        invalidated_from = None
+        if start < len(stored):
+            invalidated_from = common_prefix_len(self.template.conversation_ids(m.token_ids for m in stored),
+                                                 self.template.conversation_ids([*kept, *new]))
+        resolved = self._resolve(params, len(prompt))
+        role, content = messages[start]
+        if start < len(stored):
+            user, _ = await self.repo.replace_from(turn.session_id, start, role, content, new[0])
+        else:
+            user = await self.repo.append_message(turn.session_id, role, content, new[0])
+        for (role, content), ids in zip(messages[start + 1:], new[1:], strict=True):
+            user = await self.repo.append_message(turn.session_id, role, content, ids)
+        if not record.title:
+            await self.repo.set_title(turn.session_id, " ".join(messages[-1][1].split())[:TITLE_CHARS])
+        await self._generate(turn, user, prompt, resolved, started, invalidated_from=invalidated_from)
+
     async def _generate(self, turn: Turn, user: MessageRecord, prompt: list[int], params: SamplingParams,
-                        started: float, *, invalidated_from: int | None) -> None:
-        lease = await self.kv.acquire(turn.session_id, prompt, params.max_tokens)
+                        started: float, *, invalidated_from: int | None, stored: bool = True) -> None:
+        lease = await self.kv.acquire(turn.session_id, prompt, params.max_tokens, ephemeral=not stored)
         result: GenerationResult | None = None
         try:
             if not turn.cancel_requested:
@@ -254,10 +332,11 @@ class TurnRunner:
         self.kv.release(lease, generated_ids=result.generated_ids if result else ())
         if result is not None and self.kv.snapshots is not None:
             self.kv.snapshots.observe_prefill(len(lease.prefill_ids), result.prefill_s)
-        await self._commit_reply(turn, user, prompt, lease, result, started, invalidated_from)
+        await self._commit_reply(turn, user, prompt, lease, result, started, invalidated_from, stored=stored)
 
     async def _commit_reply(self, turn: Turn, user: MessageRecord, prompt: list[int], lease: Lease,
-                            result: GenerationResult | None, started: float, invalidated_from: int | None) -> None:
+                            result: GenerationResult | None, started: float, invalidated_from: int | None, *,
+                            stored: bool = True) -> None:
         index = user.index + 1
         content_ids: tuple[int, ...]
         generated: tuple[int, ...]
@@ -280,8 +359,11 @@ class TurnRunner:
             ttft_ms=round(((first_token_at or time.monotonic()) - started) * 1000, 2),
             decode_tokens_per_s=round(tps, 2),
         )
-        assistant = await self.repo.append_message(turn.session_id, "assistant", text, ids,
-                                                   finish_reason=reason, usage=usage.model_dump())
+        if stored:
+            assistant = await self.repo.append_message(turn.session_id, "assistant", text, ids,
+                                                       finish_reason=reason, usage=usage.model_dump())
+        else:
+            assistant = _transient(turn.session_id, index, "assistant", text, ids, finish_reason=reason)
         self.counters.count_turn(cached_tokens=usage.cached_tokens, prefill_tokens=usage.prefill_tokens)
         done = TurnResult(turn.session_id, to_message(user), to_message(assistant), reason, usage)
         for hook in self.on_turn:

@@ -68,6 +68,9 @@ class _Entry:
     io: asyncio.Task[bool] | None = None
     # Set when the cache was restored ahead of its turn (resume, admin): that turn reports tier disk.
     restored_ms: float | None = None
+    # A cache with no stored session behind it (the OpenAI API's stateless requests): never snapshotted,
+    # just freed when evicted.
+    ephemeral: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,18 +139,20 @@ class KVManager:
 
     def _records(self) -> list[policy.CacheRecord]:
         return [policy.CacheRecord(e.session_id, e.cache.num_bytes, e.last_used,
-                                   busy=e.busy or e.io is not None, persisted=e.persisted)
+                                   busy=e.busy or e.io is not None, persisted=e.persisted or e.ephemeral)
                 for e in self._entries.values()]
 
     # ------------------------------------------------------------------ lease / release
 
-    async def acquire(self, session_id: str, prompt_ids: Sequence[int], max_new_tokens: int) -> Lease:
+    async def acquire(self, session_id: str, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                      ephemeral: bool = False) -> Lease:
         """Lend the session's cache to a generation of ``prompt_ids`` + up to ``max_new_tokens``.
 
         Reuses the longest valid prefix of the resident cache; when the session is not resident,
         restores its snapshot (when worth it) or starts empty. Makes room by evicting idle sessions,
         least recently used first, waiting for running generations when only they hold the budget.
-        The caller must call :meth:`release` (also on error or cancellation).
+        The caller must call :meth:`release` (also on error or cancellation). A cache first made
+        ``ephemeral`` (no stored session behind it) is never written to disk.
         """
         prompt = tuple(prompt_ids)
         capacity = len(prompt) + max_new_tokens
@@ -177,13 +182,15 @@ class KVManager:
                 if restored_ms is not None and reuse:
                     return Lease(session_id, cache, prompt, reuse, "disk", restored_ms)
                 return Lease(session_id, cache, prompt, reuse, "device" if reuse else "none", None)
-            return await self._acquire_cold(session_id, prompt, capacity)
+            return await self._acquire_cold(session_id, prompt, capacity, ephemeral=ephemeral)
 
-    async def _acquire_cold(self, session_id: str, prompt: tuple[int, ...], capacity: int) -> Lease:
-        restored = await self._try_restore(session_id, prompt, capacity,
-                                           reuse_limit=max(len(prompt) - 1, 0))
-        if restored is not None:
-            return restored
+    async def _acquire_cold(self, session_id: str, prompt: tuple[int, ...], capacity: int, *,
+                            ephemeral: bool = False) -> Lease:
+        if not ephemeral:
+            restored = await self._try_restore(session_id, prompt, capacity,
+                                               reuse_limit=max(len(prompt) - 1, 0))
+            if restored is not None:
+                return restored
         # Room first, by plain LRU (a would-be donor is not protected: sharing never changes who is
         # evicted), then pick the donor among the sessions still resident. Decide and hand the copy to the
         # engine thread with no await in between: the engine runs calls in order, so no eviction,
@@ -208,7 +215,8 @@ class KVManager:
             self.counters.num_prefix_shared_tokens += shared
         else:
             cache = await self.worker.call(lambda: _new_reserved(self.worker, capacity))
-        self._entries[session_id] = _Entry(session_id, cache, list(prompt[:shared]), self.clock(), busy=True)
+        self._entries[session_id] = _Entry(session_id, cache, list(prompt[:shared]), self.clock(), busy=True,
+                                           ephemeral=ephemeral)
         return Lease(session_id, cache, prompt, shared, "device" if shared else "none", None)
 
     def _best_donor(self, session_id: str, prompt: Sequence[int]) -> str | None:
@@ -285,7 +293,7 @@ class KVManager:
         entry = self._entries.get(session_id)
         if entry is None or entry.busy or entry.io is not None:
             return _resolved(False)
-        if entry.persisted or self.snapshots is None or not entry.cached_ids:
+        if entry.persisted or entry.ephemeral or self.snapshots is None or not entry.cached_ids:
             self._evicted(entry, reason)
             return _resolved(True)
         return self._evict_after_write(entry, self._start_io(entry, self._persist(entry)), reason)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,8 +20,8 @@ from chatd import __version__
 from chatd.config import Settings
 from chatd.core import Chatd
 from chatd.engine.runner import ModelRunner
-from chatd.errors import ChatdError, Unauthorized, describe_validation_errors
-from chatd.server import admin
+from chatd.errors import ChatdError, Internal, Unauthorized, describe_validation_errors
+from chatd.server import admin, openai_api
 from chatd.server.metrics import CONTENT_TYPE, Metrics
 from chatd.server.security import WILDCARD_BIND, HostAllowList, SecurityMiddleware, bearer_matches
 from chatd.server.ws import websocket_endpoint
@@ -62,11 +63,13 @@ def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> Fast
             app.state.core = core
             app.state.metrics = Metrics(core)
             app.state.admin_token = admin_token(settings)
+            app.state.started_at = int(time.time())
             log.info("chatd ready: model %s on %s", core.runner.info.name, core.runner.info.device)
             yield
 
     app = FastAPI(title="chatd", version=__version__, lifespan=lifespan,
-                  description="Session-aware chat backend: websocket chat at /ws, session admin under /admin.")
+                  description="Session-aware chat backend: websocket chat at /ws, an OpenAI-compatible API under /v1, "
+                              "session admin under /admin.")
     hosts = HostAllowList.from_settings(settings.server)
     app.state.allowed_hosts = hosts
     # Outermost, so that every answer (errors included) is stamped and no route runs for a foreign Host.
@@ -81,8 +84,11 @@ def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> Fast
         if token and not bearer_matches(request.headers.get("authorization"), token):
             raise Unauthorized("metrics token required (Authorization: Bearer <token>)")
 
+    # Errors under /v1 (the OpenAI API) come in OpenAI's shape, all others in chatd's.
     @app.exception_handler(ChatdError)
     async def chatd_error(request: Request, exc: ChatdError) -> JSONResponse:
+        if openai_api.is_openai_path(request.url.path):
+            return openai_api.error_response(exc)
         return _error(exc.code, exc.message, exc.http_status)
 
     @app.exception_handler(RequestValidationError)
@@ -92,12 +98,16 @@ def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> Fast
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if openai_api.is_openai_path(request.url.path):
+            return openai_api.http_error(exc.status_code, str(exc.detail))
         code = {404: "not_found", 401: "unauthorized", 405: "bad_request"}.get(exc.status_code, "bad_request")
         return _error(code, str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
+        if openai_api.is_openai_path(request.url.path):
+            return openai_api.error_response(Internal())
         return _error("internal", "internal error", 500)
 
     @app.get("/healthz", tags=["ops"])
@@ -114,6 +124,7 @@ def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> Fast
 
     app.add_api_websocket_route("/ws", websocket_endpoint)
     app.include_router(admin.router)
+    app.include_router(openai_api.router)
     if STATIC_DIR.is_dir():
         app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="ui")
     return app
