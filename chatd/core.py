@@ -115,6 +115,9 @@ class Chatd:
         await db.upgrade_async(settings.store_url)
         if runner is None:
             runner = await asyncio.to_thread(ModelRunner.load, settings.model, settings.data_path)
+            log.info("warming up the engine")
+            warm_s = await asyncio.to_thread(runner.warm_up, settings.model.max_batch_size)
+            log.info("engine warm in %.1f s", warm_s)
         elif settings.model.max_context and settings.model.max_context < runner.info.max_context:
             # A shared, already loaded model (tests) still honours this configuration's context cap.
             runner = ModelRunner(runner.model, runner.tokenizer,

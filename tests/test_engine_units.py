@@ -172,3 +172,11 @@ def test_sampling_draws_follow_the_filtered_distribution() -> None:
     expected[[1, 3, 0]] = torch.softmax(torch.tensor([2.0, 1.0, 0.0]), dim=0)
     assert counts[2] == 0 and counts[4] == 0
     assert torch.allclose(counts / counts.sum(), expected, atol=0.03)
+
+
+def test_warm_up_leaves_no_trace(tiny_runner: ModelRunner) -> None:
+    ids = list(range(5, 40))
+    before = tiny_runner.prefill(tiny_runner.new_cache(), ids)
+    assert tiny_runner.warm_up(max_batch_size=4) > 0
+    after = tiny_runner.prefill(tiny_runner.new_cache(), ids)
+    assert torch.equal(before, after)

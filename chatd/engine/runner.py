@@ -405,6 +405,24 @@ class ModelRunner:
                 logits[i] = self._prefill_transformers(caches[i], run)
         return torch.stack([row for row in logits if row is not None])
 
+    def warm_up(self, max_batch_size: int = 16) -> float:
+        """Run each kind of step once on scratch caches (a prompt chunk, a one-session decode step and a
+        full-batch one), so that the first requests do not pay the kernels' one-time set-up (the bf16
+        matmul's first call alone takes about half a second on this kind of CPU). Returns seconds."""
+        started = time.monotonic()
+        vocab = self.info.vocab_size
+        caches = [self.new_cache() for _ in range(max(1, max_batch_size))]
+        try:
+            self.step(caches[:1], [[(7 * i) % vocab for i in range(64)]])
+            for width in sorted({1, len(caches)}):
+                for cache in caches[1:width]:
+                    self.step([cache], [[1, 2]])
+                self.step(caches[:width], [[3]] * width)
+        finally:
+            for cache in caches:
+                cache.free()
+        return time.monotonic() - started
+
     def prefill(self, cache: SessionKV, token_ids: Sequence[int]) -> torch.Tensor:
         """Append ``token_ids`` (non-empty) to ``cache``; return the last position's logits ``[vocab]``."""
         return self.step([cache], [token_ids])[0]
