@@ -180,3 +180,31 @@ def test_warm_up_leaves_no_trace(tiny_runner: ModelRunner) -> None:
     assert tiny_runner.warm_up(max_batch_size=4) > 0
     after = tiny_runner.prefill(tiny_runner.new_cache(), ids)
     assert torch.equal(before, after)
+
+
+def test_native_decode_attention_equals_per_row_attention(tiny_runner: ModelRunner) -> None:
+    # The kernel is built on this machine (a C++ compiler is part of the set-up); the per-row path is the
+    # reference. A pure decode step and a mixed step (decode tokens beside prompt chunks) both must match,
+    # logits and the K/V written.
+    forward = tiny_runner.forward
+    assert forward is not None and forward.native is not None, "the native kernel did not build"
+    histories = [[1, 20, 30, 40], [1, 50], [1, 60, 70, 80, 90, 100, 110]]
+    steps = [[[7], [8], [9]], [[10], list(range(200, 230)), [11]], [[12], [13], [14]]]
+
+    def run(native: object) -> tuple[torch.Tensor, list[Any]]:
+        saved, forward.native = forward.native, native
+        try:
+            caches = [tiny_runner.new_cache() for _ in histories]
+            for cache, history in zip(caches, histories, strict=True):
+                tiny_runner.prefill(cache, history)
+            logits = torch.cat([tiny_runner.step(caches, runs) for runs in steps])
+            return logits, caches
+        finally:
+            forward.native = saved
+
+    (native_logits, native_caches), (row_logits, row_caches) = run(forward.native), run(None)
+    assert torch.allclose(native_logits, row_logits, atol=1e-5)
+    for a, b in zip(native_caches, row_caches, strict=True):
+        assert a.length == b.length
+        assert torch.allclose(a.growable_layers[-1].keys, b.growable_layers[-1].keys, atol=1e-6)
+        assert torch.allclose(a.growable_layers[-1].values, b.growable_layers[-1].values, atol=1e-6)
