@@ -31,7 +31,7 @@ from chatd.kv.snapshot import (
     snapshot_targets_shape,
     write_snapshot,
 )
-from chatd.kv.snapshot_frames import RECORD
+from chatd.kv.snapshot_frames import RECORD, frame_sum
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -219,8 +219,8 @@ DOC_EXAMPLES = {
     1: "43484154444b5600010021000000ad6741e301006d020061620101010000000100000002000000010000000100000007000000"
        "2aebba5228b52ffd24084100003fc080000000000034bce0f328b52ffd24084100003f40004000000000c130b665cf3d5faf",
     2: "43484154444b56000200210000000315d56501006d020061620101010000000100000002000000010000000100000007000000"
-       "2aebba5215000000e341a20dd7529c1828b52ffd24084100003fc080000000000034bce0f315000000a8b6ceeeb833ec8f28b52ffd"
-       "24084100003f40004000000000c130b665",
+       "2aebba52150000002828ac5e1909410040229e8c28b52ffd24084100003fc080000000000034bce0f31500000028b5a0b3ca084100"
+       "781b4c3e28b52ffd24084100003f40004000000000c130b665",
 }
 
 
@@ -370,7 +370,7 @@ def test_flip_that_zstd_itself_ignores_is_caught(good: bytes) -> None:
     assert bytes(bad[first_frame : first_frame + 4]) == zstandard.FRAME_HEADER
     bad[first_frame + 4] ^= 0x10
     err = reject(bytes(bad))
-    want = "body checksum mismatch" if version_of(good) == 1 else "body frame 0 checksum mismatch"
+    want = "body checksum mismatch" if version_of(good) == 1 else "body frame 0 word sum mismatch"
     assert isinstance(err, SnapshotCorrupt) and want in str(err)
 
 
@@ -390,13 +390,13 @@ def test_flipped_frame_payload_byte_is_corrupt(good: bytes) -> None:
     last = len(spans) - 1
     bad = bytearray(good)
     bad[spans[0][0] + 40] ^= 0x80  # inside the first frame's compressed data
-    assert "body frame 0 checksum mismatch" in str(reject(bytes(bad)))
+    assert "body frame 0 word sum mismatch" in str(reject(bytes(bad)))
     bad = bytearray(good)
     bad[-1] ^= 0x80  # inside the last frame's content checksum
-    assert f"body frame {last} checksum mismatch" in str(reject(bytes(bad)))
-    for field in range(3):  # the last record's length, frame crc and record check
+    assert f"body frame {last} word sum mismatch" in str(reject(bytes(bad)))
+    for field in (0, 4, 11, 12):  # the last record's length, word sum (low and high byte) and record check
         bad = bytearray(good)
-        bad[spans[-1][0] - RECORD.size + 4 * field] ^= 0x01
+        bad[spans[-1][0] - RECORD.size + field] ^= 0x01
         assert f"body frame {last}'s record checksum mismatch" in str(reject(bytes(bad)))
 
 
@@ -406,9 +406,9 @@ def test_v2_reports_the_first_bad_frame_on_any_number_of_threads() -> None:
     bad = bytearray(good)
     for index in (9, 3, 7):
         bad[spans[index][0] + 20] ^= 0x04
-    assert "body frame 3 checksum mismatch" in str(reject(bytes(bad)))
+    assert "body frame 3 word sum mismatch" in str(reject(bytes(bad)))
     # A bad frame before the point where the file is cut is what a sequential reader meets first.
-    assert "body frame 3 checksum mismatch" in str(reject(bytes(bad[: spans[10][0] + 1])))
+    assert "body frame 3 word sum mismatch" in str(reject(bytes(bad[: spans[10][0] + 1])))
     # Two frames swapped, each intact: the record checks bind every frame to its place.
     a, b = spans[1], spans[2]
     swapped = (
@@ -425,14 +425,15 @@ def test_v2_frame_that_ends_before_its_record_says_is_corrupt() -> None:
     layers = kv_like(fp, 5)
     data = encode(fp, SMALL_IDS, layers)
     (start, end) = frame_spans(data)[0]
-    # Re-frame slab 0 with junk after a valid frame, and records that cover it: every check passes but the
-    # frame's own length.
+    # Re-frame slab 0 with an empty zstd frame after it, under a record that covers both: every check
+    # passes but the frame's own length.
     padded = data[start:end] + zstandard.ZstdCompressor(write_checksum=True).compress(b"")
     second = data[frame_spans(data)[1][0] - RECORD.size :]
 
     def record(index: int, frame: bytes) -> bytes:
-        crc = zlib.crc32(frame)
-        return struct.pack("<III", len(frame), crc, zlib.crc32(struct.pack("<III", index, len(frame), crc)))
+        word_sum = frame_sum(frame)
+        check = zlib.crc32(struct.pack("<IIQ", index, len(frame), word_sum))
+        return struct.pack("<IQI", len(frame), word_sum, check)
 
     bad = data[: header_len(data)] + record(0, padded) + padded + second
     assert "does not end where its record says" in str(reject(bad, fp))
