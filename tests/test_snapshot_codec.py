@@ -418,6 +418,14 @@ def test_v2_reports_the_first_bad_frame_on_any_number_of_threads() -> None:
     assert "body frame 1's record checksum mismatch" in str(reject(swapped))
 
 
+def test_frame_sum_is_the_documented_word_sum() -> None:
+    assert frame_sum(b"") == 0 and frame_sum(b"\x01") == 1 and frame_sum(b"\x00" * 8 + b"\x02") == 2
+    assert frame_sum(b"\xff" * 16) == (2 * (2**64 - 1)) % 2**64
+    data = bytes(range(256)) * 5 + b"xyz"
+    words = [int.from_bytes(data[i : i + 8].ljust(8, b"\0"), "little") for i in range(0, len(data), 8)]
+    assert frame_sum(data) == frame_sum(bytearray(data)) == frame_sum(memoryview(data)) == sum(words) % 2**64
+
+
 def test_v2_frame_that_ends_before_its_record_says_is_corrupt() -> None:
     import zstandard
 

@@ -7,8 +7,9 @@ Version 2 puts a 16-byte record before each frame (its length, a 64-bit word sum
 crc32 of both bound to the frame's index), so a reader knows where every frame ends before decoding
 any of it. That lets :class:`BodyDecoder` decode on several threads: each in turn reads the next frame
 (the stream is still read front to back), then checks, decompresses and unshuffles it while the others
-read and decode theirs (numpy, zstd and torch release the GIL for the heavy work). Version 1 frames follow each other bare, with one crc32 over all of them at the
-end; :func:`decode_body_v1` reads them one at a time on the calling thread.
+read and decode theirs (numpy, zstd and torch release the GIL for the heavy work). Version 1 frames
+follow each other bare, with one crc32 over all of them at the end; :func:`decode_body_v1` reads them
+one at a time on the calling thread.
 
 Memory stays bounded on both sides: the writer holds one slab's planes and one compressed frame; the
 v2 reader holds one compressed frame and one slab of planes per thread.
@@ -74,7 +75,7 @@ def frame_sum(frame: bytes | bytearray | memoryview) -> int:
     checksum covers what it cannot see (changes that cancel out), so the pair guards every frame byte
     at several times the speed of zlib's crc32."""
     whole = len(frame) // _WORD * _WORD
-    total = int(np.frombuffer(frame, dtype="<u8", count=whole // _WORD).sum(dtype=np.uint64))
+    total = int(np.frombuffer(frame, dtype="<u8", count=whole // _WORD).sum(dtype=np.uint64)) if whole else 0
     tail = bytes(frame[whole:]).ljust(_WORD, b"\0")
     return (total + int.from_bytes(tail, "little")) & _WORD_MASK
 
