@@ -26,7 +26,8 @@ from benchmarks.common import MB, Bench, Column, Corpus, Figure, median, ratio, 
 from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelRunner
 from chatd.kv.persistence import fingerprint_of, finish_restore, read_snapshot_file, restore_targets
-from chatd.kv.snapshot import ModelFingerprint, allocate_targets, read_snapshot, write_snapshot
+from chatd.kv.snapshot import FORMAT_VERSION, ModelFingerprint, allocate_targets, read_snapshot, write_snapshot
+from chatd.kv.snapshot_frames import default_threads
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -117,11 +118,13 @@ def run_restore_vs_prefill(bench: Bench, corpus: Corpus) -> tuple[Figure, Sessio
             "tokens": n, "prefill_s": prefill_s[n], "restore_cold_s": median(cold), "restore_warm_s": median(warm),
             "speedup_cold": ratio(prefill_s[n], median(cold)), "speedup_warm": ratio(prefill_s[n], median(warm)),
             "snapshot_mb": file_bytes / MB, "snapshot_bytes": file_bytes, "raw_bytes": n * runner.info.bytes_per_token,
+            "snapshot_bytes_per_token": file_bytes / n,
             "write_s": w[0], "bit_exact": exact, "restore_cold_runs_s": cold, "restore_warm_runs_s": warm,
         })
         path.unlink()
     fig.summary = {"prefill_chunk_tokens": chunk, "repeats": bench.plan.repeats, "cold_reads": cold_ok,
-                   "all_bit_exact": all(r["bit_exact"] for r in fig.rows)}
+                   "all_bit_exact": all(r["bit_exact"] for r in fig.rows), "snapshot_format": FORMAT_VERSION,
+                   "restore_decode_threads": default_threads()}
     if not cold_ok:
         fig.notes.append("posix_fadvise is unavailable: 'cold' restores may have read from the page cache.")
     for row in fig.rows:

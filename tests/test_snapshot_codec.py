@@ -31,6 +31,7 @@ from chatd.kv.snapshot import (
     snapshot_targets_shape,
     write_snapshot,
 )
+from chatd.kv.snapshot_frames import RECORD, frame_sum
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -97,13 +98,16 @@ def assert_bit_equal(got: KVPairs, want: KVPairs) -> None:
 # ---------------------------------------------------------------- round trips
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("num_tokens", [1, 7, 301])
-def test_round_trip_is_bit_exact(dtype: str, num_tokens: int) -> None:
+def test_round_trip_is_bit_exact(dtype: str, num_tokens: int, version: int) -> None:
+    # 301 tokens of 30 layers is over 4 MiB in every dtype: a v2 body then decodes on worker threads.
     fp = fingerprint(dtype)
     layers = with_special_values(kv_like(fp, num_tokens))
     ids = [(i * 7919) % 49152 for i in range(num_tokens)]
-    data = encode(fp, ids, layers)
+    data = encode(fp, ids, layers, version=version)
+    assert read_info(io.BytesIO(data)).version == version
     got = decode(data, fp, ids, num_tokens)
     assert_bit_equal(got, layers)
     # The specials really are there (so the test could catch a float-normalising codec).
@@ -130,7 +134,8 @@ def test_zero_tokens_round_trip() -> None:
     assert decode(data, fp, [], 0)[1][1].shape == (3, 0, 64)
 
 
-def test_views_into_larger_buffers_in_and_out() -> None:
+@pytest.mark.parametrize("threads", [1, 3])
+def test_views_into_larger_buffers_in_and_out(threads: int) -> None:
     fp = fingerprint("bfloat16", num_layers=3)
     capacity, num_tokens = 512, 129
     layers = kv_like(fp, num_tokens, seed=3)
@@ -148,7 +153,7 @@ def test_views_into_larger_buffers_in_and_out() -> None:
     dst_bufs = [torch.full((2, 1, 3, capacity, 64), -7.0, dtype=torch.bfloat16) for _ in layers]
     before = [buf.clone() for buf in dst_bufs]
     targets = [(buf[0, 0, :, :num_tokens], buf[1, 0, :, :num_tokens]) for buf in dst_bufs]
-    read_snapshot(io.BytesIO(data), expected=fp, expected_ids=ids, targets=targets)
+    read_snapshot(io.BytesIO(data), expected=fp, expected_ids=ids, targets=targets, threads=threads)
     assert_bit_equal(targets, layers)
     for buf, old in zip(dst_bufs, before, strict=True):
         assert torch.equal(
@@ -156,7 +161,8 @@ def test_views_into_larger_buffers_in_and_out() -> None:
         )
 
 
-def test_non_contiguous_slabs_still_round_trip() -> None:
+@pytest.mark.parametrize("threads", [1, 3])
+def test_non_contiguous_slabs_still_round_trip(threads: int) -> None:
     # Not the documented fast path (per-head slabs are contiguous), but must not be silently wrong.
     fp = fingerprint(num_layers=2, num_kv_heads=2, head_dim=16)
     layers = kv_like(fp, 10)
@@ -164,8 +170,66 @@ def test_non_contiguous_slabs_still_round_trip() -> None:
     assert not transposed[0][0][0].is_contiguous()
     data = encode(fp, list(range(10)), transposed)
     targets = [(torch.empty(2, 16, 10).transpose(1, 2), torch.empty(2, 10, 16)) for _ in range(2)]
-    read_snapshot(io.BytesIO(data), expected=fp, expected_ids=None, targets=targets)
+    read_snapshot(io.BytesIO(data), expected=fp, expected_ids=None, targets=targets, threads=threads)
     assert_bit_equal(targets, layers)
+
+
+class ShortReads(io.RawIOBase):
+    """A raw stream that hands out at most 7 bytes per call, like a pipe or a socket."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def, override]
+        chunk = self._data.read(min(7, len(buffer)))
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_short_reads_from_the_stream_are_fine(version: int) -> None:
+    fp = fingerprint(num_layers=2, num_kv_heads=2, head_dim=16)
+    layers = kv_like(fp, 9)
+    data = encode(fp, list(range(9)), layers, version=version)
+    for threads in (1, 2):
+        targets = allocate_targets(fp, 9)
+        read_snapshot(ShortReads(data), expected=fp, expected_ids=None, targets=targets, threads=threads)  # type: ignore[arg-type]
+        assert_bit_equal(targets, layers)
+        with pytest.raises(SnapshotTruncated):
+            read_snapshot(ShortReads(data[:-3]), expected=fp, expected_ids=None, targets=targets,  # type: ignore[arg-type]
+                          threads=threads)
+
+
+def test_lossy_mode_decodes_on_workers_too() -> None:
+    fp = fingerprint(num_layers=4)
+    layers = kv_like(fp, 100, seed=9)
+    data = encode(fp, list(range(100)), layers, stored_dtype="bfloat16")
+    one = decode(data, fp, None, 100)
+    targets = allocate_targets(fp, 100)
+    read_snapshot(io.BytesIO(data), expected=fp, expected_ids=None, targets=targets, threads=3)
+    assert_bit_equal(targets, one)
+
+
+# The worked examples of docs/snapshot-format.md section 8, byte for byte.
+DOC_EXAMPLE_FP = ModelFingerprint("m", "ab", "float32", 1, 1, 2)
+DOC_EXAMPLES = {
+    1: "43484154444b5600010021000000ad6741e301006d020061620101010000000100000002000000010000000100000007000000"
+       "2aebba5228b52ffd24084100003fc080000000000034bce0f328b52ffd24084100003f40004000000000c130b665cf3d5faf",
+    2: "43484154444b56000200210000000315d56501006d020061620101010000000100000002000000010000000100000007000000"
+       "2aebba52150000002828ac5e1909410040229e8c28b52ffd24084100003fc080000000000034bce0f31500000028b5a0b3ca084100"
+       "781b4c3e28b52ffd24084100003f40004000000000c130b665",
+}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_documented_examples(version: int) -> None:
+    keys, values = torch.tensor([[[1.0, -2.0]]]), torch.tensor([[[0.5, 3.0]]])  # [1 head, 1 token, dim 2]
+    data = bytes.fromhex(DOC_EXAMPLES[version])
+    assert encode(DOC_EXAMPLE_FP, [7], [(keys, values)], version=version) == data
+    assert_bit_equal(decode(data, DOC_EXAMPLE_FP, [7], 1), [(keys, values)])
 
 
 def test_shuffled_body_compresses_better_than_plain_zstd() -> None:
@@ -220,9 +284,15 @@ SMALL = fingerprint("float32", num_layers=3, num_kv_heads=2, head_dim=16)
 SMALL_IDS = [11, 22, 33, 44, 55]
 
 
-@pytest.fixture(scope="module")
-def good() -> bytes:
-    return encode(SMALL, SMALL_IDS, with_special_values(kv_like(SMALL, 5)))
+@pytest.fixture(scope="module", params=[1, 2], ids=["v1", "v2"])
+def good(request: pytest.FixtureRequest) -> bytes:
+    """A small valid snapshot in each readable format version (v1: bare frames + body crc; v2: records)."""
+    return encode(SMALL, SMALL_IDS, with_special_values(kv_like(SMALL, 5)), version=request.param)
+
+
+def version_of(data: bytes) -> int:
+    (version,) = struct.unpack_from("<H", data, 8)
+    return int(version)
 
 
 def header_len(data: bytes) -> int:
@@ -230,13 +300,29 @@ def header_len(data: bytes) -> int:
     return PREFIX_BYTES + payload_len + 4
 
 
+def frame_spans(data: bytes) -> list[tuple[int, int]]:
+    """(start, end) of every zstd frame of a valid v2 snapshot, from the records."""
+    spans, offset = [], header_len(data)
+    while offset < len(data):
+        (length,) = struct.unpack_from("<I", data, offset)
+        spans.append((offset + RECORD.size, offset + RECORD.size + length))
+        offset += RECORD.size + length
+    return spans
+
+
 def reject(
     data: bytes, expected: ModelFingerprint = SMALL, ids: list[int] | None = SMALL_IDS
 ) -> SnapshotError:
-    targets = allocate_targets(expected, 5)
-    with pytest.raises(SnapshotError) as excinfo:
-        read_snapshot(io.BytesIO(data), expected=expected, expected_ids=ids, targets=targets)
-    return excinfo.value
+    """The error reading ``data`` raises: the same one whether v2 bodies decode on the calling thread or on
+    workers (v1 ignores ``threads``)."""
+    errors: list[SnapshotError] = []
+    for threads in (1, 3):
+        targets = allocate_targets(expected, 5)
+        with pytest.raises(SnapshotError) as excinfo:
+            read_snapshot(io.BytesIO(data), expected=expected, expected_ids=ids, targets=targets, threads=threads)
+        errors.append(excinfo.value)
+    assert all(type(e) is type(errors[0]) and str(e) == str(errors[0]) for e in errors), errors
+    return errors[0]
 
 
 def test_good_fixture_reads(good: bytes) -> None:
@@ -247,6 +333,9 @@ def test_truncation_anywhere_is_truncated(good: bytes) -> None:
     head = header_len(good)
     cuts = [0, 1, 8, PREFIX_BYTES - 1, PREFIX_BYTES, head - 5, head - 1, head, head + 3, len(good) // 2]
     cuts += [len(good) - 5, len(good) - 4, len(good) - 1]
+    if version_of(good) >= 2:
+        spans = frame_spans(good)
+        cuts += [spans[1][0] - RECORD.size, spans[1][0] - 1, spans[1][0], spans[1][0] + 2, spans[-1][0] + 5]
     for cut in cuts:
         err = reject(good[:cut])
         assert isinstance(err, SnapshotTruncated), (cut, err)
@@ -273,36 +362,89 @@ def test_every_flipped_body_byte_is_corrupt(good: bytes) -> None:
 
 def test_flip_that_zstd_itself_ignores_is_caught(good: bytes) -> None:
     # Bit 4 of a zstd frame header descriptor is "unused": decoders must ignore it, so only the
-    # snapshot's own body checksum can see this flip.
+    # snapshot's own checksums can see this flip.
     import zstandard
 
     bad = bytearray(good)
-    first_frame = header_len(good)
+    first_frame = header_len(good) if version_of(good) == 1 else frame_spans(good)[0][0]
     assert bytes(bad[first_frame : first_frame + 4]) == zstandard.FRAME_HEADER
     bad[first_frame + 4] ^= 0x10
     err = reject(bytes(bad))
-    assert isinstance(err, SnapshotCorrupt) and "body checksum" in str(err)
+    want = "body checksum mismatch" if version_of(good) == 1 else "body frame 0 word sum mismatch"
+    assert isinstance(err, SnapshotCorrupt) and want in str(err)
 
 
 def test_flipped_frame_payload_byte_is_corrupt(good: bytes) -> None:
+    if version_of(good) == 1:
+        bad = bytearray(good)
+        bad[header_len(good) + 40] ^= 0x80  # inside the first frame's compressed data
+        assert isinstance(reject(bytes(bad)), SnapshotCorrupt)
+        bad = bytearray(good)
+        bad[-6] ^= 0x80  # inside the last frame's content checksum (the body checksum follows it)
+        assert "doesn't match checksum" in str(reject(bytes(bad)))
+        bad = bytearray(good)
+        bad[-1] ^= 0x80  # inside the body checksum itself
+        assert "body checksum mismatch" in str(reject(bytes(bad)))
+        return
+    spans = frame_spans(good)
+    last = len(spans) - 1
     bad = bytearray(good)
-    bad[header_len(good) + 40] ^= 0x80  # inside the first frame's compressed data
-    assert isinstance(reject(bytes(bad)), SnapshotCorrupt)
+    bad[spans[0][0] + 40] ^= 0x80  # inside the first frame's compressed data
+    assert "body frame 0 word sum mismatch" in str(reject(bytes(bad)))
     bad = bytearray(good)
-    bad[-6] ^= 0x80  # inside the last frame's content checksum (the body checksum follows it)
-    assert "doesn't match checksum" in str(reject(bytes(bad)))
-    bad = bytearray(good)
-    bad[-1] ^= 0x80  # inside the body checksum itself
-    assert "body checksum mismatch" in str(reject(bytes(bad)))
+    bad[-1] ^= 0x80  # inside the last frame's content checksum
+    assert f"body frame {last} word sum mismatch" in str(reject(bytes(bad)))
+    for field in (0, 4, 11, 12):  # the last record's length, word sum (low and high byte) and record check
+        bad = bytearray(good)
+        bad[spans[-1][0] - RECORD.size + field] ^= 0x01
+        assert f"body frame {last}'s record checksum mismatch" in str(reject(bytes(bad)))
 
 
-@pytest.mark.parametrize("extra", [b"\x00", b"garbage", None])
-def test_trailing_bytes_are_corrupt(good: bytes, extra: bytes | None) -> None:
+def test_v2_reports_the_first_bad_frame_on_any_number_of_threads() -> None:
+    good = encode(SMALL, SMALL_IDS, kv_like(SMALL, 5), version=2)
+    spans = frame_spans(good)
+    bad = bytearray(good)
+    for index in (9, 3, 7):
+        bad[spans[index][0] + 20] ^= 0x04
+    assert "body frame 3 word sum mismatch" in str(reject(bytes(bad)))
+    # A bad frame before the point where the file is cut is what a sequential reader meets first.
+    assert "body frame 3 word sum mismatch" in str(reject(bytes(bad[: spans[10][0] + 1])))
+    # Two frames swapped, each intact: the record checks bind every frame to its place.
+    a, b = spans[1], spans[2]
+    swapped = (
+        good[: a[0] - RECORD.size] + good[b[0] - RECORD.size : b[1]] + good[a[0] - RECORD.size : a[1]] + good[b[1] :]
+    )
+    assert len(swapped) == len(good)
+    assert "body frame 1's record checksum mismatch" in str(reject(swapped))
+
+
+def test_frame_sum_is_the_documented_word_sum() -> None:
+    assert frame_sum(b"") == 0 and frame_sum(b"\x01") == 1 and frame_sum(b"\x00" * 8 + b"\x02") == 2
+    assert frame_sum(b"\xff" * 16) == (2 * (2**64 - 1)) % 2**64
+    data = bytes(range(256)) * 5 + b"xyz"
+    words = [int.from_bytes(data[i : i + 8].ljust(8, b"\0"), "little") for i in range(0, len(data), 8)]
+    assert frame_sum(data) == frame_sum(bytearray(data)) == frame_sum(memoryview(data)) == sum(words) % 2**64
+
+
+def test_v2_frame_that_ends_before_its_record_says_is_corrupt() -> None:
     import zstandard
 
-    tail = zstandard.ZstdCompressor(write_checksum=True).compress(b"") if extra is None else extra
-    err = reject(good + tail)
-    assert isinstance(err, SnapshotCorrupt) and "trailing" in str(err)
+    fp = dataclasses.replace(SMALL, num_layers=1, num_kv_heads=1)
+    layers = kv_like(fp, 5)
+    data = encode(fp, SMALL_IDS, layers)
+    (start, end) = frame_spans(data)[0]
+    # Re-frame slab 0 with an empty zstd frame after it, under a record that covers both: every check
+    # passes but the frame's own length.
+    padded = data[start:end] + zstandard.ZstdCompressor(write_checksum=True).compress(b"")
+    second = data[frame_spans(data)[1][0] - RECORD.size :]
+
+    def record(index: int, frame: bytes) -> bytes:
+        word_sum = frame_sum(frame)
+        check = zlib.crc32(struct.pack("<IIQ", index, len(frame), word_sum))
+        return struct.pack("<IQI", len(frame), word_sum, check)
+
+    bad = data[: header_len(data)] + record(0, padded) + padded + second
+    assert "does not end where its record says" in str(reject(bad, fp))
 
 
 def rewrite_header(data: bytes, edit: Callable[[bytearray, bytearray], None]) -> bytes:
@@ -316,7 +458,7 @@ def rewrite_header(data: bytes, edit: Callable[[bytearray, bytearray], None]) ->
 
 
 def test_unknown_version_is_rejected(good: bytes) -> None:
-    for version in (0, 2, 0xFFFF):
+    for version in (0, 3, 0xFFFF):
         bad = rewrite_header(good, lambda prefix, _, v=version: struct.pack_into("<H", prefix, 8, v))
         err = reject(bad)
         assert isinstance(err, SnapshotVersionError) and str(version) in str(err)
@@ -410,6 +552,9 @@ def test_wrong_targets_are_value_errors(good: bytes) -> None:
     for targets in cases:
         with pytest.raises(ValueError):
             read_snapshot(io.BytesIO(good), expected=SMALL, expected_ids=None, targets=targets)
+    with pytest.raises(ValueError):
+        read_snapshot(io.BytesIO(good), expected=SMALL, expected_ids=None, targets=allocate_targets(SMALL, 5),
+                      threads=0)
 
 
 def test_bad_writer_arguments_are_value_errors_before_any_write() -> None:
@@ -424,6 +569,7 @@ def test_bad_writer_arguments_are_value_errors_before_any_write() -> None:
         lambda out: write_snapshot(out, fingerprint("bfloat16", 2, 2, 8), [1, 2, 3], layers),
         lambda out: write_snapshot(out, fp, [1, 2, 3], layers, level=99),
         lambda out: write_snapshot(out, dataclasses.replace(fp, dtype="int8"), [1, 2, 3], layers),
+        lambda out: write_snapshot(out, fp, [1, 2, 3], layers, version=3),
     ]
     for call in bad_calls:
         out = io.BytesIO()

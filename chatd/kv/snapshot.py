@@ -4,7 +4,8 @@ Pure: works on binary file objects, knows no paths (files live in ``snapshot_sto
 byte layout is specified in ``docs/snapshot-format.md``; this module is its reference.
 
 Both directions stream one ``[seq, head_dim]`` head slab at a time, so memory use is bounded by a
-few slab-sized scratch buffers, never the whole cache. Readers never guess: a file that is
+few slab-sized scratch buffers, never the whole cache; the body's frames are in
+``chatd.kv.snapshot_frames``, which decodes version 2 bodies on several threads. Readers never guess: a file that is
 truncated, corrupt, of an unknown version, from another model or for other token ids is rejected
 with a ``SnapshotError`` subclass whose message says why. Caller bugs (wrong tensor shapes,
 dtypes, devices) are ``ValueError``.
@@ -16,13 +17,11 @@ import hashlib
 import json
 import operator
 import struct
-import sys
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import BinaryIO
 
-import numpy as np
 import torch
 import zstandard
 
@@ -33,19 +32,18 @@ from chatd.errors import (
     SnapshotTruncated,
     SnapshotVersionError,
 )
+from chatd.kv.snapshot_frames import PARALLEL_MIN_BYTES, BodyDecoder, decode_body_v1, default_threads, encode_body
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what write_snapshot writes by default
+READABLE_VERSIONS = (1, 2)
 MAGIC = b"CHATDKV\x00"
 
 # Stable across all versions: magic, version u16, payload length u32, crc32 of those 14 bytes.
 _PREFIX = struct.Struct("<8sHI")
 _PREFIX_CRC = struct.Struct("<I")
 PREFIX_BYTES = _PREFIX.size + _PREFIX_CRC.size  # 18
-# v1 payload after the two strings: live dtype, stored dtype, layers, kv heads, head dim, level, tokens.
+# Payload after the two strings (versions 1 and 2): live dtype, stored dtype, layers, kv heads, head dim, level, tokens.
 _FIXED = struct.Struct("<BBIIIiI")
-# After the last frame: crc32 of all frame bytes. zstd's own checks miss a few bits (e.g. the frame
-# header's "unused" bit, which decoders must ignore); this makes any flipped body byte detectable.
-_BODY_CRC = struct.Struct("<I")
 MAX_HEADER_PAYLOAD = 1 << 26  # 64 MiB: ~16M token ids; anything larger is not a file we wrote
 MAX_TEXT_BYTES = 0xFFFF
 
@@ -55,10 +53,6 @@ _CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # (live dtype, stored dtype) pairs allowed besides the lossless "stored == live".
 _LOSSY_MODES = {("float32", "bfloat16")}
-
-_ZSTD_FRAME_HEADER_MAX = 18  # ZSTD_FRAMEHEADERSIZE_MAX: enough bytes to read any frame's parameters
-_READ_CHUNK = 1 << 18
-_LITTLE_ENDIAN_HOST = sys.byteorder == "little"
 
 Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -126,34 +120,6 @@ def allocate_targets(
     ]
 
 
-# ---------------------------------------------------------------- byte planes
-
-
-def _byte_rows(slab: torch.Tensor) -> np.ndarray:
-    """[n, E] uint8 view of a contiguous slab's bytes, in the host's native byte order."""
-    return slab.view(-1).view(torch.uint8).numpy().reshape(-1, slab.element_size())
-
-
-def _plane_columns(element_size: int) -> range:
-    """Column of ``_byte_rows`` holding plane p (plane 0 = most significant byte), for p in order."""
-    return range(element_size - 1, -1, -1) if _LITTLE_ENDIAN_HOST else range(element_size)
-
-
-def _shuffle(slab: torch.Tensor, planes: np.ndarray) -> None:
-    """planes[p] <- byte p (most significant first) of every element of the contiguous slab."""
-    rows = _byte_rows(slab)  # [n, E]
-    # One strided column copy per plane: ~3x faster in numpy than a single transposed copy.
-    for plane, column in enumerate(_plane_columns(rows.shape[1])):
-        planes[plane] = rows[:, column]
-
-
-def _unshuffle(planes: np.ndarray, slab: torch.Tensor) -> None:
-    """Inverse of ``_shuffle``: writes every byte of the contiguous slab from planes [E, n]."""
-    rows = _byte_rows(slab)  # [n, E]
-    for plane, column in enumerate(_plane_columns(rows.shape[1])):
-        rows[:, column] = planes[plane]
-
-
 # ---------------------------------------------------------------- writing
 
 
@@ -193,7 +159,8 @@ def _pack_text(value: str) -> bytes:
     return struct.pack("<H", len(raw)) + raw
 
 
-def _encode_header(fp: ModelFingerprint, token_ids: Sequence[int], stored_dtype: str, level: int) -> bytes:
+def _encode_header(fp: ModelFingerprint, token_ids: Sequence[int], stored_dtype: str, level: int,
+                   version: int) -> bytes:
     ids = [operator.index(token_id) for token_id in token_ids]
     if any(not 0 <= token_id < 1 << 32 for token_id in ids):
         raise ValueError("token ids must be ints in [0, 2**32)")
@@ -204,7 +171,7 @@ def _encode_header(fp: ModelFingerprint, token_ids: Sequence[int], stored_dtype:
     )
     if len(payload) > MAX_HEADER_PAYLOAD:
         raise ValueError(f"header of {len(payload)} bytes exceeds {MAX_HEADER_PAYLOAD}: too many token ids")
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(payload))
+    prefix = _PREFIX.pack(MAGIC, version, len(payload))
     head = prefix + _PREFIX_CRC.pack(zlib.crc32(prefix)) + payload
     return head + struct.pack("<I", zlib.crc32(head))
 
@@ -217,6 +184,7 @@ def write_snapshot(
     *,
     level: int = 1,
     stored_dtype: str | None = None,
+    version: int = FORMAT_VERSION,
 ) -> int:
     """Write one snapshot to ``out``; return the number of bytes written.
 
@@ -224,7 +192,8 @@ def write_snapshot(
     dtype ``fingerprint.dtype`` and seq == len(token_ids). Views into larger buffers are fine; the
     tensors are only read. ``stored_dtype`` None (or equal to the live dtype) stores exact bits;
     ``"bfloat16"`` with a float32 cache stores round-to-nearest-even bf16 (half the size, lossy).
-    Memory stays bounded: one head slab is shuffled and compressed at a time. Raises ValueError for
+    Memory stays bounded: one head slab is shuffled and compressed at a time. ``version`` 1 writes
+    the previous format (for compatibility tests and downgrades). Raises ValueError for
     bad arguments before writing anything; errors from ``out.write`` propagate (the caller owns
     cleanup of a partial stream).
     """
@@ -235,33 +204,14 @@ def write_snapshot(
         raise ValueError(f"cannot store a {fingerprint.dtype} cache as {stored}")
     if not -(1 << 17) <= level <= zstandard.MAX_COMPRESSION_LEVEL:
         raise ValueError(f"zstd level {level} out of range")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"cannot write format version {version}; known: {READABLE_VERSIONS}")
     num_tokens = len(token_ids)
     _check_tensors(layers, fingerprint, num_tokens, "layers")
 
-    header = _encode_header(fingerprint, token_ids, stored, level)
+    header = _encode_header(fingerprint, token_ids, stored, level, version)
     out.write(header)
-    written = len(header)
-
-    store_dtype = torch_dtype(stored)
-    slab_shape = (num_tokens, fingerprint.head_dim)
-    staging = torch.empty(slab_shape, dtype=store_dtype)  # [seq, head_dim] stored dtype
-    scratch = np.empty((staging.element_size(), staging.numel()), dtype=np.uint8)  # [E, n] byte planes
-    compressor = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
-    body_crc = 0
-    for keys, values in layers:
-        for tensor in (keys, values):  # [kv_heads, seq, head_dim] live dtype
-            for head in range(fingerprint.num_kv_heads):
-                slab = tensor[head].detach()  # [seq, head_dim]
-                if slab.dtype != store_dtype or not slab.is_contiguous():
-                    staging.copy_(slab)  # rounds to nearest even when narrowing fp32 -> bf16
-                    slab = staging
-                _shuffle(slab, scratch)
-                frame = compressor.compress(scratch.data)
-                out.write(frame)
-                written += len(frame)
-                body_crc = zlib.crc32(frame, body_crc)
-    out.write(_BODY_CRC.pack(body_crc))
-    return written + _BODY_CRC.size
+    return len(header) + encode_body(out, layers, fingerprint.num_kv_heads, torch_dtype(stored), level, version)
 
 
 # ---------------------------------------------------------------- reading
@@ -312,8 +262,8 @@ def read_info(inp: BinaryIO) -> SnapshotInfo:
     (prefix_crc,) = _PREFIX_CRC.unpack_from(prefix, _PREFIX.size)
     if zlib.crc32(prefix[: _PREFIX.size]) != prefix_crc:
         raise SnapshotCorrupt("header prefix checksum mismatch")
-    if version != FORMAT_VERSION:
-        raise SnapshotVersionError(f"format version {version}; this reader knows only {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise SnapshotVersionError(f"format version {version}; this reader knows {READABLE_VERSIONS}")
     if payload_len > MAX_HEADER_PAYLOAD:
         raise SnapshotCorrupt(f"header length {payload_len} exceeds {MAX_HEADER_PAYLOAD}")
     payload = _read_exact(inp, payload_len, "header")
@@ -343,7 +293,7 @@ def read_info(inp: BinaryIO) -> SnapshotInfo:
     token_ids = struct.unpack_from(f"<{num_tokens}I", payload, offset)
     fp = ModelFingerprint(model_id, weights_hash, live, num_layers, num_kv_heads, head_dim)
     raw_bytes = 2 * num_layers * num_kv_heads * num_tokens * head_dim * torch_dtype(live).itemsize
-    return SnapshotInfo(FORMAT_VERSION, fp, token_ids, stored, level, raw_bytes)
+    return SnapshotInfo(version, fp, token_ids, stored, level, raw_bytes)
 
 
 def _check_model(info: SnapshotInfo, expected: ModelFingerprint) -> None:
@@ -365,90 +315,13 @@ def _check_ids(stored: tuple[int, ...], expected: Sequence[int]) -> None:
     )
 
 
-class _FrameReader:
-    """Splits the body into consecutive zstd frames and decodes each into a byte buffer.
-
-    Reads ``inp`` in bounded chunks; bytes past a frame's end are kept for the next frame.
-    """
-
-    def __init__(self, inp: BinaryIO) -> None:
-        self._inp = inp
-        self._pending = b""
-        self._eof = False
-        self._dctx = zstandard.ZstdDecompressor()
-        self._crc = 0  # crc32 of the frame bytes consumed so far
-
-    def _fill(self, size: int) -> None:
-        while len(self._pending) < size and not self._eof:
-            chunk = self._inp.read(_READ_CHUNK)
-            if chunk:
-                self._pending += chunk
-            else:
-                self._eof = True
-
-    def read_frame(self, dest: np.ndarray, index: int) -> None:
-        """Decode frame ``index`` into ``dest`` (1-D uint8), which it must fill exactly."""
-        expected = dest.size
-        self._fill(_ZSTD_FRAME_HEADER_MAX)
-        if not self._pending:
-            raise SnapshotTruncated(f"file ends before body frame {index}")
-        head = self._pending[: len(zstandard.FRAME_HEADER)]
-        if head != zstandard.FRAME_HEADER[: len(head)]:
-            raise SnapshotCorrupt(f"body frame {index} does not start with the zstd magic")
-        try:
-            params = zstandard.get_frame_parameters(self._pending[:_ZSTD_FRAME_HEADER_MAX])
-        except zstandard.ZstdError as exc:
-            if self._eof and len(self._pending) < _ZSTD_FRAME_HEADER_MAX:
-                raise SnapshotTruncated(f"file ends inside body frame {index}'s header") from None
-            raise SnapshotCorrupt(f"body frame {index}: bad zstd frame header ({exc})") from None
-        if params.content_size != expected or not params.has_checksum:
-            raise SnapshotCorrupt(
-                f"body frame {index} declares {params.content_size} bytes"
-                f"{'' if params.has_checksum else ' without a content checksum'}, expected {expected}"
-            )
-        dobj = self._dctx.decompressobj()
-        filled = 0
-        while True:
-            if not self._pending:
-                self._fill(1)
-                if not self._pending:
-                    raise SnapshotTruncated(f"file ends inside body frame {index}")
-            try:
-                out = dobj.decompress(self._pending)
-            except zstandard.ZstdError as exc:
-                raise SnapshotCorrupt(f"body frame {index}: {exc}") from None
-            if filled + len(out) > expected:
-                raise SnapshotCorrupt(f"body frame {index} decodes to more than {expected} bytes")
-            dest[filled : filled + len(out)] = np.frombuffer(out, dtype=np.uint8)
-            filled += len(out)
-            if dobj.eof:
-                unused = dobj.unused_data
-                self._crc = zlib.crc32(self._pending[: len(self._pending) - len(unused)], self._crc)
-                self._pending = unused
-                break
-            self._crc = zlib.crc32(self._pending, self._crc)
-            self._pending = b""
-        if filled != expected:
-            raise SnapshotCorrupt(f"body frame {index} decoded to {filled} bytes, expected {expected}")
-
-    def check_end(self) -> None:
-        """Verify the body checksum that follows the last frame, then end of file."""
-        self._fill(_BODY_CRC.size + 1)
-        if len(self._pending) < _BODY_CRC.size:
-            raise SnapshotTruncated("file ends inside the body checksum")
-        (stored,) = _BODY_CRC.unpack_from(self._pending)
-        if stored != self._crc:
-            raise SnapshotCorrupt("body checksum mismatch")
-        if len(self._pending) > _BODY_CRC.size:
-            raise SnapshotCorrupt("trailing bytes after the body checksum")
-
-
 def read_snapshot(
     inp: BinaryIO,
     *,
     expected: ModelFingerprint,
     expected_ids: Sequence[int] | None,
     targets: Layers,
+    threads: int | None = None,
 ) -> SnapshotInfo:
     """Validate a snapshot and decode its body straight into the preallocated ``targets``.
 
@@ -460,7 +333,15 @@ def read_snapshot(
     checked before any body byte is decoded; then SnapshotTruncated / SnapshotCorrupt for a bad body
     or trailing bytes. On any error the targets' contents are unspecified. Lossless snapshots
     restore bit-exactly; a bf16-stored float32 snapshot restores the bf16 values widened exactly.
+
+    A version 2 body is read sequentially from ``inp`` on the calling thread and decoded on
+    ``threads`` worker threads (1: on the calling thread; None: the CPUs available, at most 8, or
+    the calling thread alone for bodies under 4 MiB); no worker outlives the call. Errors are
+    reported as a sequential reader meets them: the lowest-numbered bad frame's. Version 1 bodies
+    always decode on the calling thread.
     """
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     _check_tensors(targets, expected, None, "targets")
     info = read_info(inp)
     _check_model(info, expected)
@@ -469,21 +350,15 @@ def read_snapshot(
     _check_tensors(targets, expected, info.num_tokens, "targets")
 
     store_dtype = torch_dtype(info.stored_dtype)
-    staging = torch.empty((info.num_tokens, expected.head_dim), dtype=store_dtype)  # [seq, head_dim]
-    scratch = np.empty((staging.element_size(), staging.numel()), dtype=np.uint8)  # [E, n] byte planes
-    flat = scratch.reshape(-1)
-    reader = _FrameReader(inp)
-    index = 0
-    for keys, values in targets:
-        for tensor in (keys, values):  # [kv_heads, seq, head_dim] live dtype
-            for head in range(expected.num_kv_heads):
-                reader.read_frame(flat, index)
-                index += 1
-                slab = tensor[head].detach()  # [seq, head_dim]
-                if slab.dtype == store_dtype and slab.is_contiguous():  # shuffle in place, no staging copy
-                    _unshuffle(scratch, slab)
-                else:
-                    _unshuffle(scratch, staging)
-                    slab.copy_(staging)  # exact: a strided copy, or bf16 -> fp32 widening
-    reader.check_end()
+    shape = (expected.num_kv_heads, info.num_tokens, expected.head_dim)
+    if info.version == 1:
+        decode_body_v1(inp, targets, *shape, store_dtype)
+        return info
+    body_bytes = 2 * expected.num_layers * expected.num_kv_heads * info.num_tokens * expected.head_dim
+    body_bytes *= store_dtype.itemsize
+    if threads is None:
+        workers = default_threads() if body_bytes >= PARALLEL_MIN_BYTES else 1
+    else:
+        workers = threads
+    BodyDecoder(inp, targets, *shape, store_dtype, workers).decode()
     return info
