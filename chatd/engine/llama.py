@@ -29,6 +29,8 @@ from chatd.engine.quant import GGUFWeights
 # anything else keeps transformers' forward. Mistral and Qwen2 share the arithmetic but wait for a test
 # with real weights of their own.
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
+# Cache dtypes the native decode attention reads and writes (chatd/engine/native.py).
+NATIVE_CACHE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
 class Linear(Protocol):
@@ -302,7 +304,7 @@ class LlamaForward:
         if self.native is None:
             return []
         return [run for run, n in enumerate(lengths)
-                if n == 1 and caches[run].dtype == torch.float32 and caches[run].device.type == "cpu"]
+                if n == 1 and caches[run].dtype in NATIVE_CACHE_DTYPES and caches[run].device.type == "cpu"]
 
     def _attend_native(self, index: int, caches: Sequence[SessionKV], lengths: list[int], q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -322,6 +324,8 @@ class LlamaForward:
         s = self.shape
         n = q.shape[0]
         keys, values = layer_cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # [1, kv, len, hd]
+        if keys.dtype != q.dtype:  # a cache stored in a narrower dtype than the activations
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         # Fold each KV head's query group into the query length, [1, kv_heads, group * n, head_dim]: one
         # 4-D SDPA call takes the fused CPU kernel (3-D inputs fall back to two matmuls).
         folded = q.view(n, s.num_kv_heads, self.group, s.head_dim).permute(1, 2, 0, 3)

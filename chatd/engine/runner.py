@@ -354,7 +354,7 @@ class ModelRunner:
             forward = gguf_forward(device, model)
         elif weights != "transformers":
             forward = compact_forward(model, weights, device)
-        if forward is not None and settings.native_kernels and device.type == "cpu" and dtype == torch.float32:
+        if forward is not None and settings.native_kernels and device.type == "cpu":
             forward.native = native.load()
         if weights not in ("transformers", "float32"):
             # K/V computed with other weights differ: their snapshots must never mix.
