@@ -60,6 +60,7 @@ async def _stream(client: ChatClient, session_id: str, content: str, max_tokens:
     first = first if first is not None else done
     return {
         "ttft_s": first - sent, "total_s": done - sent, "output_tokens": usage.output_tokens, "text": reply.text,
+        "first_at": first, "done_at": done,
         "client_decode_tps": ratio(usage.output_tokens - 1, done - first) if usage.output_tokens > 1 else 0.0,
         "server_decode_tps": usage.decode_tokens_per_s, "server_ttft_ms": usage.ttft_ms,
     }
@@ -218,11 +219,15 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
         f"N websocket clients, each on its own connection and a new session, send one message at the same "
         f"moment (greedy, max_tokens {bench.plan.concurrency_tokens}); rounds repeat until a level has at "
         f"least {bench.plan.concurrency_min_samples} samples. Aggregate tokens/s = output tokens of a round / "
-        "its wall time; TTFT is measured by each client from sending to its first token frame. Mean batch = "
+        "its wall time; aggregate decode tokens/s = the tokens after each client's first, over the span from the "
+        "round's first first token to its last reply's end (the decode phase, without the prompts' prefill); "
+        "TTFT is measured by each client from sending to its first token frame. Mean batch = "
         "decoded tokens / decode steps, from /admin/stats.",
         columns=[
             Column("clients", "clients"), Column("samples", "samples"),
             Column("aggregate_tps", "aggregate tok/s", "{:.1f}"), Column("scaling", "vs 1 client", "{:.2f}x"),
+            Column("decode_tps", "aggregate decode tok/s", "{:.1f}"),
+            Column("decode_scaling", "decode vs 1 client", "{:.2f}x"),
             Column("per_client_tps", "per-client tok/s", "{:.1f}"),
             Column("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"), Column("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
             Column("mean_batch", "mean batch", "{:.1f}"),
@@ -233,6 +238,7 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
         clients = [await ChatClient.connect(server.ws_url, request_timeout=600) for _ in range(level)]
         ttfts: list[float] = []
         aggregate: list[float] = []
+        decode: list[float] = []
         per_client: list[float] = []
         before = await _admin_engine(server)
         try:
@@ -245,6 +251,8 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
                 wall = time.perf_counter() - started
                 ttfts.extend(1000 * r["ttft_s"] for r in results)
                 aggregate.append(ratio(sum(r["output_tokens"] for r in results), wall))
+                span = max(r["done_at"] for r in results) - min(r["first_at"] for r in results)
+                decode.append(ratio(sum(max(0, r["output_tokens"] - 1) for r in results), span))
                 per_client.extend(r["client_decode_tps"] for r in results)
         finally:
             for c in clients:
@@ -253,15 +261,22 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
         steps = after["decode_steps"] - before["decode_steps"]
         fig.rows.append({
             "clients": level, "samples": len(ttfts), "rounds": rounds, "aggregate_tps": median(aggregate),
+            "decode_tps": median(decode),
             "per_client_tps": median(per_client), "ttft_p50_ms": percentile(ttfts, 50),
             "ttft_p99_ms": percentile(ttfts, 99), "ttft_max_ms": max(ttfts),
             "mean_batch": ratio(after["decoded_tokens"] - before["decoded_tokens"], steps) if steps else 0.0,
         })
     base = fig.rows[0]["aggregate_tps"]
+    decode_base = fig.rows[0]["decode_tps"]
     for row in fig.rows:
         row["scaling"] = ratio(row["aggregate_tps"], base)
+        row["decode_scaling"] = ratio(row["decode_tps"], decode_base)
     top = fig.rows[-1]
     fig.add_headline(f"aggregate tokens/s, {top['clients']} clients vs 1", top["scaling"], "{:.2f}x")
+    fig.add_headline(f"aggregate decode tokens/s, {top['clients']} clients vs 1", top["decode_scaling"], "{:.2f}x")
+    eight = next((row for row in fig.rows if row["clients"] == 8), None)
+    if eight is not None and eight is not top:
+        fig.add_headline("aggregate decode tokens/s, 8 clients vs 1", eight["decode_scaling"], "{:.2f}x")
     fig.add_headline(f"TTFT p99 with {top['clients']} clients", top["ttft_p99_ms"], "{:.0f} ms")
     return fig
 
