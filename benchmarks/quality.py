@@ -22,7 +22,9 @@ from transformers.cache_utils import DynamicCache
 from chatd.engine.runner import ModelRunner
 
 CHAT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
-                "Explain what a KV cache is in one sentence.", "List three prime numbers.")
+                "Explain what a KV cache is in one sentence.", "List three prime numbers.",
+                "Give me a tip for learning to cook.", "Why is the sky blue?",
+                "Describe a cat to someone who has never seen one.", "What should I pack for a day hike?")
 NEAR_TIE = 0.5
 
 
@@ -55,7 +57,7 @@ class Agreement:
 
 @torch.inference_mode()
 def teacher_forced_agreement(runner: ModelRunner, reference: torch.nn.Module, *, copies: int = 1,
-                             max_new_tokens: int = 16) -> Agreement:
+                             max_new_tokens: int = 24) -> Agreement:
     tokenizer = runner.tokenizer
     prompts, references, continuations = [], [], []
     for text in CHAT_PROMPTS:
@@ -69,15 +71,16 @@ def teacher_forced_agreement(runner: ModelRunner, reference: torch.nn.Module, *,
     rows = [i for i in range(len(CHAT_PROMPTS)) for _ in range(copies)]
     caches = [runner.new_cache() for _ in rows]
     got = [[runner.prefill(cache, prompts[i])] for cache, i in zip(caches, rows, strict=True)]
-    steps = min(len(c) for c in continuations) - 1
-    for position in range(steps):
-        logits = runner.decode(caches, [continuations[i][position] for i in rows])
-        for row in range(len(rows)):
-            got[row].append(logits[row])
+    for position in range(max(len(c) for c in continuations) - 1):
+        # Rows whose continuation has ended drop out of the batch.
+        active = [row for row, i in enumerate(rows) if position < len(continuations[i]) - 1]
+        logits = runner.decode([caches[row] for row in active], [continuations[rows[row]][position] for row in active])
+        for out, row in enumerate(active):
+            got[row].append(logits[out])
     agree = total = clear = 0
     worst = 0.0
     for row, i in enumerate(rows):
-        ours, want = torch.stack(got[row]).float(), references[i][: steps + 1]
+        ours, want = torch.stack(got[row]).float(), references[i]
         worst = max(worst, float((ours - want).abs().max()))
         same = ours.argmax(-1) == want.argmax(-1)
         agree, total = agree + int(same.sum()), total + len(same)
