@@ -1,14 +1,16 @@
 """Decode speed side by side with llama.cpp's llama-server: same packaged model, same threads, one run.
 
-    python -m benchmarks.decode_peer --llama-server PATH [--threads 2] [--weights float32,q4]
-                                     [--contexts 256,1024,2048] [--tokens 64] [--rounds 3] [--batch 8]
+    python -m benchmarks.decode_peer --llama-server PATH [--threads 2] [--weights float32,q4,q4/bfloat16]
+                                     [--contexts 256,1024,2048] [--tokens 64] [--rounds 3] [--batch 8,16]
 
 For each context length a greedy decode of ``--tokens`` tokens after a prompt of that many tokens:
 chatd's engine step (``ModelRunner.prefill`` then ``ModelRunner.decode`` one token at a time, the
 calls the engine worker makes) against llama-server's ``/completion`` (``timings.predicted_per_second``,
 prompt caching off). Runs alternate chatd and llama-server round by round, so a busy moment of the
 machine hits both. With ``--batch N`` it also measures aggregate decode of N sessions at once: chatd's
-batched ``decode`` of N caches against N concurrent requests to llama-server started with ``-np N``.
+batched ``decode`` of N caches against N concurrent requests to llama-server started with ``-np N``
+(the largest N given). A ``--weights`` entry ``W/D`` runs weights ``W`` with a ``D`` KV cache
+(``[model] dtype``).
 The table reports medians and chatd ÷ llama-server. ``make peer`` builds llama-server.
 """
 
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="256,1024,2048")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=0, help="also measure N sessions at once (0: skip)")
+    parser.add_argument("--batch", default="", help="also measure N sessions at once, e.g. 8,16")
     args = parser.parse_args(argv)
     gguf = packaged_gguf()
     if not args.llama_server or gguf is None:
@@ -83,13 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     packaged_model_dir()  # converted once into CACHE_DIR/data, where ModelRunner.load finds it
-    runners = {w: ModelRunner.load(ModelSettings(source="packaged", weights=w, threads=args.threads),
-                                   CACHE_DIR / "data") for w in args.weights.split(",")}
+    runners = {}
+    for entry in args.weights.split(","):
+        weights, _, kv = entry.partition("/")
+        settings = ModelSettings(source="packaged", weights=weights, dtype=kv or "auto", threads=args.threads)
+        runners[entry] = ModelRunner.load(settings, CACHE_DIR / "data")
     any_runner = next(iter(runners.values()))
-    cases = [(c, 1) for c in contexts] + ([(min(contexts), args.batch)] if args.batch > 1 else [])
+    batches = [int(b) for b in args.batch.split(",") if b and int(b) > 1]
+    cases = [(c, 1) for c in contexts] + [(min(contexts), b) for b in batches]
     results: dict[tuple[str, int, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        slots = max(1, args.batch)
+        slots = max([1, *batches])
         server = LlamaServer(args.llama_server, gguf, Path(scratch), context=slots * (max(contexts) + args.tokens + 16),
                              threads=args.threads, device="cpu", slots=slots)
         server.start()
