@@ -3,15 +3,24 @@ chatd.dev, which the benchmarks share."""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+import uvicorn
 from transformers.cache_utils import DynamicCache
 
+from chatd.config import Settings
+from chatd.core import Chatd
 from chatd.dev import CACHE_DIR, ROOT, ServerProcess, free_port, packaged_model_dir, tiny_model_dir
+from chatd.engine.runner import ModelRunner
+from chatd.server.app import create_app
+from chatd.server.transport import WebSocketProtocol
 
-__all__ = ["CACHE_DIR", "ROOT", "ServerProcess", "free_port", "packaged_model_dir", "reference_greedy",
-           "tiny_model_dir"]
+__all__ = ["CACHE_DIR", "ROOT", "InProcessServer", "ServerProcess", "free_port", "packaged_model_dir",
+           "proc_resources", "reference_greedy", "tiny_model_dir"]
 
 
 @torch.inference_mode()
@@ -27,3 +36,55 @@ def reference_greedy(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_
         if token in eos_ids or len(generated) >= max_new_tokens:
             return generated
         out = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+
+
+class InProcessServer:
+    """uvicorn serving ``create_app`` on a loopback port, in a thread of this process, so a test can inject
+    faults into the running core while real websocket clients talk to it."""
+
+    def __init__(self, settings: Settings, runner: ModelRunner) -> None:
+        self.port = free_port()
+        # The Host allow-list names the configured port.
+        settings = settings.model_copy(update={"server": settings.server.model_copy(update={"port": self.port})})
+        self.app = create_app(settings, runner=runner)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, ws=WebSocketProtocol, log_level="warning",
+                                lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.app.state.admin_token}"}
+
+    @property
+    def core(self) -> Chatd:
+        return self.app.state.core  # type: ignore[no-any-return]
+
+    def __enter__(self) -> InProcessServer:
+        self.thread.start()
+        for _ in range(600):
+            if self.server.started:
+                return self
+            if not self.thread.is_alive():
+                raise RuntimeError("uvicorn exited")
+            threading.Event().wait(0.05)
+        raise RuntimeError("uvicorn did not start")
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def proc_resources(pid: int) -> dict[str, int]:
+    """Resident memory (KiB), open file descriptors and threads of process ``pid``, from /proc."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {"rss_kib": int(status["VmRSS"].split()[0]), "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": int(status["Threads"])}

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from sqlalchemy.exc import OperationalError
 
 from chatd import turns as turns_module
@@ -27,10 +25,9 @@ from chatd.core import Chatd
 from chatd.engine.runner import ModelRunner
 from chatd.errors import ReplyNotSaved
 from chatd.protocol import GenerationParams
-from chatd.server.app import create_app
 from chatd.store.repo import Repo
 from chatd.turns import TurnResult
-from tests.support import free_port
+from tests.support import InProcessServer
 
 
 def disk_full() -> OperationalError:
@@ -128,43 +125,6 @@ async def test_a_failed_engine_leaves_the_user_message_marked(tiny_core: Chatd,
 
 
 # ----------------------------------------------------------------------------- over a real server
-
-
-class InProcessServer:
-    """uvicorn serving ``create_app`` on a loopback port, in a thread of this process, so a test can inject
-    faults into the running core while real websocket clients talk to it."""
-
-    def __init__(self, settings: Settings, runner: ModelRunner) -> None:
-        self.port = free_port()
-        # The Host allow-list names the configured port.
-        settings = settings.model_copy(update={"server": settings.server.model_copy(update={"port": self.port})})
-        self.app = create_app(settings, runner=runner)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, ws="websockets", log_level="warning",
-                                lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws"
-
-    @property
-    def core(self) -> Chatd:
-        return self.app.state.core  # type: ignore[no-any-return]
-
-    def __enter__(self) -> InProcessServer:
-        self.thread.start()
-        for _ in range(600):
-            if self.server.started:
-                return self
-            if not self.thread.is_alive():
-                raise RuntimeError("uvicorn exited")
-            threading.Event().wait(0.05)
-        raise RuntimeError("uvicorn did not start")
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
 
 
 @pytest.fixture
