@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicCache
 
 from chatd.config import Settings
 from chatd.core import Chatd
-from chatd.dev import CACHE_DIR, ROOT, ServerProcess, free_port, packaged_model_dir, tiny_model_dir
+from chatd.dev import CACHE_DIR, ROOT, LoopbackServer, ServerProcess, free_port, packaged_model_dir, tiny_model_dir
 from chatd.engine.runner import ModelRunner
 from chatd.server.app import create_app
 from chatd.server.transport import WebSocketProtocol
@@ -38,31 +38,21 @@ def reference_greedy(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_
         out = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
 
 
-class InProcessServer:
+class InProcessServer(LoopbackServer):
     """uvicorn serving ``create_app`` on a loopback port, in a thread of this process, so a test can inject
     faults into the running core while real websocket clients talk to it."""
 
     def __init__(self, settings: Settings, runner: ModelRunner) -> None:
         self.port = free_port()
+        self.admin_token = "test-admin-token"
         # The Host allow-list names the configured port.
-        settings = settings.model_copy(update={"server": settings.server.model_copy(update={"port": self.port})})
+        server = settings.server.model_copy(update={"port": self.port, "admin_token": self.admin_token})
+        settings = settings.model_copy(update={"server": server})
         self.app = create_app(settings, runner=runner)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, ws=WebSocketProtocol, log_level="warning",
                                 lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def admin_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.app.state.admin_token}"}
 
     @property
     def core(self) -> Chatd:
