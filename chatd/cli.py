@@ -36,12 +36,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from chatd.server.app import create_app
+    from chatd.server.transport import WebSocketProtocol
 
     settings = _settings(args)
     _logging(settings.log_level)
     app = create_app(settings)
     uvicorn.run(
-        app, host=settings.server.host, port=settings.server.port, ws="websockets",
+        app, host=settings.server.host, port=settings.server.port, ws=WebSocketProtocol,
         # The transport limit sits above the protocol's own frame limit, so an oversized frame gets a
         # "too_large" error and the connection stays usable; only absurd frames close it (1009).
         ws_max_size=settings.server.max_frame_bytes * 4, ws_ping_interval=20.0, ws_ping_timeout=20.0,

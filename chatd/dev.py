@@ -67,7 +67,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerProcess:
+class LoopbackServer:
+    """A test server on a loopback port: its URLs and the admin token's header."""
+
+    port: int
+    admin_token: str
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+
+class ServerProcess(LoopbackServer):
     """``chatd serve`` in a child process on a loopback port, with its own config file and data folder.
 
     ``start()`` waits until /healthz answers; ``kill()`` sends SIGKILL (a crash), ``stop()`` SIGTERM (a
@@ -89,18 +108,6 @@ class ServerProcess:
         self.config_path.write_text(tomli_w.dumps(settings))
         self.log_path = folder / "server.log"
         self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws"
-
-    @property
-    def admin_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.admin_token}"}
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         log = self.log_path.open("ab")

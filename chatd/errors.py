@@ -82,6 +82,14 @@ class RateLimited(ChatdError):
     http_status = 429
 
 
+class ReplyNotSaved(ChatdError):
+    """A reply was generated (and streamed) but could not be stored, even after retries (the database
+    disk is full, the store is down). The user message is kept, marked unanswered."""
+
+    code = "reply_not_saved"
+    http_status = 503
+
+
 class Internal(ChatdError):
     code = "internal"
     http_status = 500
@@ -124,7 +132,8 @@ class SnapshotIdsMismatch(SnapshotError):
 
 
 WIRE_ERRORS: tuple[type[ChatdError], ...] = (
-    BadRequest, UnknownType, TooLarge, NotFound, Busy, ContextLengthExceeded, Unauthorized, RateLimited, Internal,
+    BadRequest, UnknownType, TooLarge, NotFound, Busy, ContextLengthExceeded, Unauthorized, RateLimited,
+    ReplyNotSaved, Internal,
 )
 """The errors a client can see, in the order docs/protocol.md lists them."""
 

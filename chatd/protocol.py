@@ -85,6 +85,9 @@ class Message(_Model):
     """Assistant messages in ``session.resumed`` only: how the reply ended."""
     usage: Usage | None = None
     """Assistant messages in ``session.resumed`` only: the usage of the turn that produced it."""
+    unanswered: bool | None = None
+    """User messages in ``session.resumed`` only, and only when true: no reply to it is stored, because its
+    turn is still running or ended without storing one (``reply_not_saved``, an engine failure, a crash)."""
 
 
 # ----------------------------------------------------------------------------- client -> server

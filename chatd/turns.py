@@ -25,7 +25,7 @@ from chatd.domain import FinishReason, Role, is_valid_unicode
 from chatd.engine.runner import ModelInfo
 from chatd.engine.sampling import SamplingParams
 from chatd.engine.worker import EngineWorker, GenerationFailed, GenerationHandle, GenerationResult, TextPiece
-from chatd.errors import BadRequest, ContextLengthExceeded, NotFound, TooLarge
+from chatd.errors import BadRequest, ChatdError, ContextLengthExceeded, NotFound, ReplyNotSaved, TooLarge
 from chatd.kv.manager import KVManager, Lease, common_prefix_len
 from chatd.protocol import GenerationParams, Message, Usage
 from chatd.stats import Counters
@@ -34,6 +34,9 @@ from chatd.store.repo import MessageRecord, Repo, SessionRecord
 log = logging.getLogger(__name__)
 
 TITLE_CHARS = 60
+REPLY_COMMIT_DELAYS_S = (0.05, 0.25, 1.0)
+"""Pauses between the attempts to store a reply (so 4 attempts in about 1.3 s) before the client is told
+``reply_not_saved``: a store that is briefly locked or out of space gets a chance to recover."""
 
 Conversation = Sequence[tuple[Role, str]]
 """A whole conversation sent by a caller that keeps it (the OpenAI API): (role, content) pairs, ending
@@ -47,6 +50,8 @@ def to_message(record: MessageRecord, *, with_usage: bool = False) -> Message:
     if with_usage and record.role == "assistant":
         message.finish_reason = record.finish_reason  # type: ignore[assignment]
         message.usage = Usage.model_validate(record.usage) if record.usage else None
+    if with_usage and record.unanswered:
+        message.unanswered = True
     return message
 
 
@@ -217,7 +222,7 @@ class TurnRunner:
         user_ids = self.template.message_ids("user", content, len(messages))
         prompt = self.template.prompt_ids([*(m.token_ids for m in messages), user_ids])
         resolved = self._resolve(params, len(prompt))
-        user = await self.repo.append_message(turn.session_id, "user", content, user_ids)
+        user = await self.repo.append_message(turn.session_id, "user", content, user_ids, unanswered=True)
         if not record.title:
             await self.repo.set_title(turn.session_id, " ".join(content.split())[:TITLE_CHARS])
         await self._generate(turn, user, prompt, resolved, started, invalidated_from=None)
@@ -244,7 +249,7 @@ class TurnRunner:
             return
         prompt = [*kept, *new_ids, *self.template.generation_prompt_ids]
         resolved = self._resolve(params, len(prompt))
-        user, _ = await self.repo.replace_from(turn.session_id, index, role, content, new_ids)
+        user, _ = await self.repo.replace_from(turn.session_id, index, role, content, new_ids, unanswered=True)
         await self._generate(turn, user, prompt, resolved, started, invalidated_from=invalidated_from)
 
     def check_conversation(self, messages: Conversation) -> None:
@@ -300,12 +305,14 @@ class TurnRunner:
                                                  self.template.conversation_ids([*kept, *new]))
         resolved = self._resolve(params, len(prompt))
         role, content = messages[start]
+        last = len(messages) - 1  # the user message the reply answers
         if start < len(stored):
-            user, _ = await self.repo.replace_from(turn.session_id, start, role, content, new[0])
+            user, _ = await self.repo.replace_from(turn.session_id, start, role, content, new[0],
+                                                   unanswered=start == last)
         else:
-            user = await self.repo.append_message(turn.session_id, role, content, new[0])
-        for (role, content), ids in zip(messages[start + 1:], new[1:], strict=True):
-            user = await self.repo.append_message(turn.session_id, role, content, ids)
+            user = await self.repo.append_message(turn.session_id, role, content, new[0], unanswered=start == last)
+        for index, ((role, content), ids) in enumerate(zip(messages[start + 1:], new[1:], strict=True), start + 1):
+            user = await self.repo.append_message(turn.session_id, role, content, ids, unanswered=index == last)
         if not record.title:
             await self.repo.set_title(turn.session_id, " ".join(messages[-1][1].split())[:TITLE_CHARS])
         await self._generate(turn, user, prompt, resolved, started, invalidated_from=invalidated_from)
@@ -360,8 +367,7 @@ class TurnRunner:
             decode_tokens_per_s=round(tps, 2),
         )
         if stored:
-            assistant = await self.repo.append_message(turn.session_id, "assistant", text, ids,
-                                                       finish_reason=reason, usage=usage.model_dump())
+            assistant = await self._store_reply(turn.session_id, user, text, ids, reason, usage)
         else:
             assistant = _transient(turn.session_id, index, "assistant", text, ids, finish_reason=reason)
         self.counters.count_turn(cached_tokens=usage.cached_tokens, prefill_tokens=usage.prefill_tokens)
@@ -372,3 +378,26 @@ class TurnRunner:
             except Exception:
                 log.exception("turn hook failed")
         turn.finish(done)
+
+    async def _store_reply(self, session_id: str, user: MessageRecord, text: str, ids: tuple[int, ...],
+                           reason: FinishReason, usage: Usage) -> MessageRecord:
+        """Commit the reply (clearing its user message's unanswered mark in the same transaction), retrying a
+        store that fails; ReplyNotSaved when every attempt failed. A ChatdError (the session was deleted) is
+        not retried."""
+        for attempt, delay in enumerate((*REPLY_COMMIT_DELAYS_S, None), 1):
+            try:
+                return await self.repo.append_message(session_id, "assistant", text, ids, finish_reason=reason,
+                                                      usage=usage.model_dump(), answers=user.message_id)
+            except ChatdError:
+                raise
+            except Exception as exc:
+                if delay is None:
+                    log.warning("the reply in session %s could not be stored after %d attempts (%s: %s); its "
+                                "user message stays marked unanswered", session_id[:8], attempt,
+                                type(exc).__name__, exc)
+                    raise ReplyNotSaved("the reply could not be saved; the message you sent is kept, marked "
+                                        "unanswered") from None
+                log.info("storing the reply in session %s failed (attempt %d: %s); retrying", session_id[:8],
+                         attempt, type(exc).__name__)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -75,3 +77,34 @@ async def real_core(make_settings: Callable[..., Settings], real_dir: Path,
                     real_runner: ModelRunner) -> AsyncIterator[Chatd]:
     async with Chatd.open(make_settings(real_dir), runner=real_runner, background=False) as core:
         yield core
+
+
+# ----------------------------------------------------------------------------- the reliability suite
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="reliability suite at full size (10,000+ fuzzed frames, more kills, races and cycles); "
+                          "CHATD_RELIABILITY_LONG=1 does the same")
+
+
+@pytest.fixture(scope="session")
+def long_mode(request: pytest.FixtureRequest) -> bool:
+    """True when the reliability suite runs at full size (``--long`` or CHATD_RELIABILITY_LONG=1)."""
+    return bool(request.config.getoption("--long")) or os.environ.get("CHATD_RELIABILITY_LONG", "") not in ("", "0")
+
+
+@pytest.fixture(scope="session")
+def figures() -> Callable[..., None]:
+    """Record a reliability figure: ``figures("fuzz", frames=2000, internal=0)``. With CHATD_RELIABILITY_FIGURES
+    set to a path, each call appends one JSON line there (docs/reliability.md's table comes from them)."""
+    path = os.environ.get("CHATD_RELIABILITY_FIGURES")
+
+    def record(name: str, **values: object) -> None:
+        line = json.dumps({"test": name, **values})
+        print(f"reliability figures: {line}")
+        if path:
+            with open(path, "a", encoding="utf-8") as out:
+                out.write(line + "\n")
+    return record
+

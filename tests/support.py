@@ -1,10 +1,64 @@
 """What tests share: model folders and the server process (from chatd.dev) and a from-scratch reference
-decoder (from benchmarks.quality), the same ones the benchmarks use."""
+decoder (from benchmarks.quality), the same ones the benchmarks use; an in-process server for fault
+injection; a reader of a process's resources."""
 
 from __future__ import annotations
 
-from benchmarks.quality import reference_greedy
-from chatd.dev import CACHE_DIR, ROOT, ServerProcess, free_port, packaged_model_dir, tiny_model_dir
+import os
+import threading
+from pathlib import Path
 
-__all__ = ["CACHE_DIR", "ROOT", "ServerProcess", "free_port", "packaged_model_dir", "reference_greedy",
-           "tiny_model_dir"]
+import uvicorn
+
+from benchmarks.quality import reference_greedy
+from chatd.config import Settings
+from chatd.core import Chatd
+from chatd.dev import CACHE_DIR, ROOT, LoopbackServer, ServerProcess, free_port, packaged_model_dir, tiny_model_dir
+from chatd.engine.runner import ModelRunner
+from chatd.server.app import create_app
+from chatd.server.transport import WebSocketProtocol
+
+__all__ = ["CACHE_DIR", "ROOT", "InProcessServer", "ServerProcess", "free_port", "packaged_model_dir",
+           "proc_resources", "reference_greedy", "tiny_model_dir"]
+
+
+class InProcessServer(LoopbackServer):
+    """uvicorn serving ``create_app`` on a loopback port, in a thread of this process, so a test can inject
+    faults into the running core while real websocket clients talk to it."""
+
+    def __init__(self, settings: Settings, runner: ModelRunner) -> None:
+        self.port = free_port()
+        self.admin_token = "test-admin-token"
+        # The Host allow-list names the configured port.
+        server = settings.server.model_copy(update={"port": self.port, "admin_token": self.admin_token})
+        settings = settings.model_copy(update={"server": server})
+        self.app = create_app(settings, runner=runner)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, ws=WebSocketProtocol, log_level="warning",
+                                lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+
+    @property
+    def core(self) -> Chatd:
+        return self.app.state.core  # type: ignore[no-any-return]
+
+    def __enter__(self) -> InProcessServer:
+        self.thread.start()
+        for _ in range(600):
+            if self.server.started:
+                return self
+            if not self.thread.is_alive():
+                raise RuntimeError("uvicorn exited")
+            threading.Event().wait(0.05)
+        raise RuntimeError("uvicorn did not start")
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def proc_resources(pid: int) -> dict[str, int]:
+    """Resident memory (KiB), open file descriptors and threads of process ``pid``, from /proc."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {"rss_kib": int(status["VmRSS"].split()[0]), "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": int(status["Threads"])}

@@ -143,7 +143,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "9999"
-down_revision = "0001"
+down_revision = "{head}"
 branch_labels = None
 depends_on = None
 
@@ -164,15 +164,15 @@ def test_failed_migration_leaves_nothing_behind(tmp_path: Path) -> None:
     # whole upgrade is one transaction, so neither the table nor the column may remain.
     scripts = tmp_path / "migrations"
     shutil.copytree(migrations_path(), scripts, ignore=shutil.ignore_patterns("__pycache__"))
-    (scripts / "versions" / "9999_fail.py").write_text(FAILING_REVISION)
+    (scripts / "versions" / "9999_fail.py").write_text(FAILING_REVISION.replace("{head}", head()))
     path = tmp_path / "chatd.db"
     url = sqlite_url(path)
-    upgrade(url, "0001")
+    upgrade(url, head())
     config = alembic_config(url)
     config.set_main_option("script_location", str(scripts))
     with pytest.raises(RuntimeError, match="failed halfway"):
         command.upgrade(config, "head")
-    assert current_revision(url) == "0001"
+    assert current_revision(url) == head()
     assert "half_done" not in tables(path)
     with sqlite3.connect(path) as conn:
         columns = {row[1] for row in conn.execute("PRAGMA table_info(sessions)")}
@@ -191,3 +191,24 @@ def test_alembic_command_line_takes_the_url(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert tables(path) == TABLES | {"alembic_version"}
+
+
+def test_0002_marks_existing_messages_answered_and_downgrades_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "chatd.db"
+    url = sqlite_url(path)
+    upgrade(url, "0001")
+    with sqlite3.connect(path) as conn:
+        conn.execute("INSERT INTO sessions VALUES ('s' || hex(randomblob(8)), 't', '2026-01-01', '2026-01-01', 1, 1)")
+        conn.execute("INSERT INTO messages (session_id, position, role, content, token_ids, num_tokens, created_at) "
+                     "SELECT session_id, 0, 'user', 'hi', x'01000000', 1, '2026-01-01' FROM sessions")
+    upgrade(url, "0002")
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT content, unanswered FROM messages").fetchall() == [("hi", 0)]
+        index_sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'uq_messages_active_position'")
+        before = index_sql.fetchone()
+    downgrade(url, "0001")
+    with sqlite3.connect(path) as conn:
+        assert "unanswered" not in {row[1] for row in conn.execute("PRAGMA table_info(messages)")}
+        assert conn.execute("SELECT content FROM messages").fetchall() == [("hi",)]
+        index_sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'uq_messages_active_position'")
+        assert index_sql.fetchone() == before

@@ -12,7 +12,8 @@ Conventions the repository relies on:
   uint32 bytes in the database, ``num_tokens`` of them;
 * a message with ``archived_by_edit`` NULL belongs to the active conversation, and within one
   session active positions are unique (a partial unique index) and run 0..message_count-1;
-* ``sessions.message_count`` / ``token_count`` describe the active messages only.
+* ``sessions.message_count`` / ``token_count`` describe the active messages only;
+* ``messages.unanswered`` marks a user message whose reply is not stored (yet).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     ForeignKey,
@@ -36,6 +38,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    false,
     text,
 )
 from sqlalchemy.engine import Dialect
@@ -202,6 +205,10 @@ class MessageRow(Base):
     archived_by_edit: Mapped[int | None] = mapped_column(
         Integer, ForeignKey("edits.id", ondelete="CASCADE"), nullable=True
     )
+    # A user message whose turn has stored no reply yet: the turn is running, or it ended without one
+    # (the reply could not be committed, the engine failed, the server died). Cleared in the transaction
+    # that stores its reply, so a history never ends on an unanswered user message that is not marked.
+    unanswered: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class SnapshotRow(Base):

@@ -62,6 +62,8 @@ class MessageRecord:
     created_at: datetime
     finish_reason: str | None
     usage: dict[str, Any] | None
+    unanswered: bool = False
+    """A user message whose reply is not stored: its turn is running, or ended without storing one."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ def _message_record(row: MessageRow) -> MessageRecord:
         created_at=row.created_at,
         finish_reason=row.finish_reason,
         usage=row.usage,
+        unanswered=bool(row.unanswered),
     )
 
 
@@ -139,6 +142,7 @@ def _new_message(
     now: datetime,
     finish_reason: str | None = None,
     usage: dict[str, Any] | None = None,
+    unanswered: bool = False,
 ) -> MessageRow:
     return MessageRow(
         session_id=session_id,
@@ -152,6 +156,7 @@ def _new_message(
         # A copy: the returned record must not change when the caller's dict does.
         usage=None if usage is None else dict(usage),
         archived_by_edit=None,
+        unanswered=unanswered,
     )
 
 
@@ -287,8 +292,14 @@ class Repo:
         *,
         finish_reason: str | None = None,
         usage: dict[str, Any] | None = None,
+        unanswered: bool = False,
+        answers: int | None = None,
     ) -> MessageRecord:
         """Append a message at index message_count; counts and updated_at change with it.
+
+        ``unanswered`` marks a user message whose reply is still to come; ``answers`` is the message id of
+        the user message a reply answers, whose mark is cleared in the same transaction (so either the
+        reply is stored and the mark is gone, or neither happened).
 
         NotFound for an unknown session; BadRequest for an unknown role or finish reason;
         ValueError for token ids outside uint32.
@@ -308,16 +319,27 @@ class Repo:
                 updated_at=now,
             )
             row = _new_message(
-                session_id, new_count - 1, role, content, ids, now, finish_reason, usage
+                session_id, new_count - 1, role, content, ids, now, finish_reason, usage, unanswered
             )
+            if answers is not None:
+                await db.execute(
+                    update(MessageRow)
+                    .where(MessageRow.id == answers, MessageRow.session_id == session_id)
+                    .values(unanswered=False),
+                    execution_options=_NO_SYNC,
+                )
             db.add(row)
             await db.flush()
             return _message_record(row)
 
     async def replace_from(
-        self, session_id: str, index: int, role: str, content: str, token_ids: Sequence[int]
+        self, session_id: str, index: int, role: str, content: str, token_ids: Sequence[int], *,
+        unanswered: bool = False,
     ) -> tuple[MessageRecord, EditRecord]:
         """Replace message ``index`` and drop every later one from the active conversation.
+
+        ``unanswered`` marks the new message as a user message whose reply is still to come
+        (see :meth:`append_message`).
 
         The replaced messages are kept, archived under a new edit (returned, with them). After
         this the conversation has index + 1 messages and its counts match them. NotFound for an
@@ -351,7 +373,7 @@ class Repo:
             # The archived rows must leave the active set before the new row takes their index.
             await db.flush()
 
-            new = _new_message(session_id, index, role, content, ids, now)
+            new = _new_message(session_id, index, role, content, ids, now, unanswered=unanswered)
             db.add(new)
             await db.flush()
             # Recounted from the rows rather than adjusted, so the counts cannot drift.

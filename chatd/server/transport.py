@@ -1,0 +1,43 @@
+"""The websocket transport ``chatd serve`` runs: uvicorn's ``websockets`` protocol with a fixed socket send buffer.
+
+The slow-reader limit (close 4408, generations cancelled) counts frames queued in
+:class:`~chatd.server.connection.Connection` that the socket would not take. Linux grows a socket's send buffer
+on its own (``tcp_wmem``, up to 4 MiB by default), so a client that stopped reading could leave megabytes of
+frames in the kernel while the queue stayed empty and its generations ran on to ``length``. A fixed
+``SO_SNDBUF`` turns that growth off: what the server holds for one connection is then bounded by this buffer,
+the protocol's write buffer (64 KiB high-water mark) and ``send_queue_frames`` frames, and a reader that
+stops gets closed once those fill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import warnings
+
+with warnings.catch_warnings():
+    # uvicorn marks its websockets protocol deprecated in favour of a sans-I/O one; chatd serves the former.
+    warnings.simplefilter("ignore")
+    from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol as _UvicornWebSocketProtocol
+
+SEND_BUFFER_BYTES = 64 * 1024
+"""``SO_SNDBUF`` of every websocket connection (Linux doubles it for bookkeeping). Token frames are ~100 bytes,
+so this is room for hundreds of them; only a reader that stopped fills it."""
+
+
+def limit_send_buffer(transport: asyncio.BaseTransport, size: int = SEND_BUFFER_BYTES) -> None:
+    """Fix the socket's send buffer at ``size`` bytes (no autotuning); a transport without a socket is left alone."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+
+
+class WebSocketProtocol(_UvicornWebSocketProtocol):
+    """uvicorn's ``websockets`` protocol with :func:`limit_send_buffer` applied when the connection upgrades."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        limit_send_buffer(transport)
+        super().connection_made(transport)
