@@ -54,9 +54,6 @@ class ModelSettings(_Section):
     """Long prefills run in chunks of this many tokens so other sessions keep decoding in between."""
     max_batch_size: int = Field(default=16, ge=1, le=256)
     """Most sequences decoded together in one forward pass."""
-    native_kernels: bool = True
-    """Build and use chatd's native CPU decode-attention kernel (needs a C++ compiler once; without one
-    the engine logs why and runs per-row attention, with the same results)."""
 
     @field_validator("device")
     @classmethod

@@ -47,10 +47,6 @@ if [[ $want_test == 1 ]]; then
     missing=()
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)
     compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
-    # The native decode-attention kernel is compiled on first use; its test asserts that it builds.
-    command -v g++ >/dev/null 2>&1 || missing+=(g++)
-    "$VENV/bin/python" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
-        || missing+=(python3-dev)
     if (( ${#missing[@]} )); then
         echo "setup: installing ${missing[*]} from Debian"
         SUDO=""

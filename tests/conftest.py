@@ -15,16 +15,8 @@ from transformers import AutoModelForCausalLM
 from chatd import config
 from chatd.config import ModelSettings, Settings
 from chatd.core import Chatd
-from chatd.engine import native
 from chatd.engine.runner import ModelRunner
 from tests import support
-
-
-@pytest.fixture(scope="session", autouse=True)
-def native_kernel() -> None:
-    """Build the native decode-attention kernel before any test starts a server: a first build on a fresh
-    machine takes about a minute, which servers started in parallel would otherwise each wait for."""
-    native.load()
 
 
 @pytest.fixture(scope="session")

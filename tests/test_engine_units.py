@@ -183,51 +183,16 @@ def test_warm_up_leaves_no_trace(tiny_runner: ModelRunner) -> None:
     assert torch.equal(before, after)
 
 
-def test_native_decode_attention_equals_per_row_attention(tiny_runner: ModelRunner) -> None:
-    # The kernel is built on this machine (a C++ compiler is part of the set-up); the per-row path is the
-    # reference. A pure decode step and a mixed step (decode tokens beside prompt chunks) both must match,
-    # logits and the K/V written.
-    forward = tiny_runner.forward
-    assert forward is not None and forward.native is not None, "the native kernel did not build"
-    histories = [[1, 20, 30, 40], [1, 50], [1, 60, 70, 80, 90, 100, 110]]
-    steps = [[[7], [8], [9]], [[10], list(range(200, 230)), [11]], [[12], [13], [14]]]
-
-    def run(native: object) -> tuple[torch.Tensor, list[Any]]:
-        saved, forward.native = forward.native, native
-        try:
-            caches = [tiny_runner.new_cache() for _ in histories]
-            for cache, history in zip(caches, histories, strict=True):
-                tiny_runner.prefill(cache, history)
-            logits = torch.cat([tiny_runner.step(caches, runs) for runs in steps])
-            return logits, caches
-        finally:
-            forward.native = saved
-
-    (native_logits, native_caches), (row_logits, row_caches) = run(forward.native), run(None)
-    assert torch.allclose(native_logits, row_logits, atol=1e-5)
-    for a, b in zip(native_caches, row_caches, strict=True):
-        assert a.length == b.length
-        assert torch.allclose(a.growable_layers[-1].keys, b.growable_layers[-1].keys, atol=1e-6)
-        assert torch.allclose(a.growable_layers[-1].values, b.growable_layers[-1].values, atol=1e-6)
-
-
 def test_compact_forward_runs_a_bfloat16_cache(tiny_dir: Path) -> None:
     # [model] dtype = "bfloat16" on the CPU: activations stay fp32, the KV cache is stored in bf16 (half the
-    # memory and memory traffic). Prefill, packed steps and native decode all read and write it; the native
-    # kernel rounds new positions exactly like torch's cast.
+    # memory and memory traffic). Prefill, packed steps and decode all read and write it.
     runner = ModelRunner.load(ModelSettings(source=str(tiny_dir), threads=1, dtype="bfloat16"), tiny_dir)
-    assert runner.forward is not None and runner.forward.native is not None
-    assert runner.new_cache().dtype == torch.bfloat16
+    assert runner.forward is not None and runner.new_cache().dtype == torch.bfloat16
     _packed_step_equals_separate_runs(runner, kv_atol=2e-2)  # one bf16 rounding step apart at most
-    cache = runner.new_cache()
-    runner.prefill(cache, list(range(10, 40)))
-    native = runner.decode([cache], [5])
-    reference = runner.new_cache()
-    runner.prefill(reference, list(range(10, 40)))
-    kernel, runner.forward.native = runner.forward.native, None
-    try:
-        rows = runner.decode([reference], [5])
-    finally:
-        runner.forward.native = kernel
-    assert torch.allclose(native, rows, atol=1e-4)
-    assert torch.equal(cache.growable_layers[-1].keys, reference.growable_layers[-1].keys)
+    fp32 = ModelRunner.load(ModelSettings(source=str(tiny_dir), threads=1), tiny_dir)
+    ids = list(range(10, 40))
+    narrow, wide = runner.new_cache(), fp32.new_cache()
+    # bf16 K/V hold about 3 significant digits: close to the fp32 cache's logits, the same best token.
+    for got, want in ((runner.prefill(narrow, ids), fp32.prefill(wide, ids)),
+                      (runner.decode([narrow], [5])[0], fp32.decode([wide], [5])[0])):
+        assert float((got - want).abs().max()) < 0.25 and int(got.argmax()) == int(want.argmax())

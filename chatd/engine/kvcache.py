@@ -94,11 +94,6 @@ class GrowableLayer(DynamicLayer):
         self.length = 0
         self._refresh_views()
 
-    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole K and V buffers ``[1, kv_heads, capacity, head_dim]`` (positions past ``length`` unset)."""
-        assert self._k is not None and self._v is not None
-        return self._k, self._v
-
     def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[kv_heads, length, head_dim]`` of K and V; each head's slab is contiguous."""
         assert self.keys is not None and self.values is not None
@@ -141,12 +136,6 @@ class SessionKV(DynamicCache):
     def reserve(self, capacity: int) -> None:
         for layer in self.growable_layers:
             layer.reserve(capacity)
-
-    def make_room(self, new_tokens: int) -> None:
-        """Make sure ``new_tokens`` more positions fit (growing in steps of GROWTH_TOKENS)."""
-        end = self.length + new_tokens
-        if end > self.capacity:
-            self.reserve(-(-end // GROWTH_TOKENS) * GROWTH_TOKENS)
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` positions (no copy; capacity unchanged)."""

@@ -29,8 +29,6 @@ from chatd.engine.quant import GGUFWeights
 # anything else keeps transformers' forward. Mistral and Qwen2 share the arithmetic but wait for a test
 # with real weights of their own.
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
-# Cache dtypes the native decode attention reads and writes (chatd/engine/native.py).
-NATIVE_CACHE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
 class Linear(Protocol):
@@ -213,9 +211,6 @@ class LlamaForward:
         self.sin = table.sin().to(device)
         self.scale = s.head_dim ** -0.5
         self.group = s.num_heads // s.num_kv_heads
-        # chatd/engine/native.py's decode attention (set by the runner where it is built): the single-token
-        # runs of a step attend in one call per layer instead of one SDPA call per row.
-        self.native: Any = None
 
     # ------------------------------------------------------------------ pieces
 
@@ -257,7 +252,6 @@ class LlamaForward:
         cache (a decode token over the whole cache, a chunk causally over the cache and itself), so run
         ``i``'s result equals running it alone, up to float rounding.
         """
-        s = self.shape
         lengths = [len(run) for run in runs]
         starts = [cache.length for cache in caches]
         ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
@@ -269,53 +263,16 @@ class LlamaForward:
         masks = [None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device)
                  .tril(diagonal=start).repeat(self.group, 1) for start, n in zip(starts, lengths, strict=True)]
         bounds = list(itertools.accumulate(lengths, initial=0))
-        native = self._native_runs(caches, lengths)
-        chunks = [run for run in range(len(runs)) if run not in native]
-        rows = torch.tensor([bounds[run] for run in native], dtype=torch.long)
-        for cache in (caches[run] for run in native):
-            cache.make_room(1)
-        native_lengths = [starts[run] for run in native]
         for index, layer in enumerate(self.weights.layers):
             q, k, v = self._qkv(layer, h, rope)
-            if not chunks:  # a pure decode step through the native kernel
-                out = self._attend_native(index, [caches[run] for run in native], native_lengths, q, k, v)
-            elif not native:
-                outs = [self._attend(caches[run].growable_layers[index], q[bounds[run]:bounds[run + 1]],
-                                     k[bounds[run]:bounds[run + 1]], v[bounds[run]:bounds[run + 1]], masks[run])
-                        for run in chunks]
-                out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [rows, heads * head_dim]
-            else:
-                out = q.new_empty(q.shape[0], s.num_heads * s.head_dim)
-                out[rows] = self._attend_native(index, [caches[run] for run in native], native_lengths,
-                                                q[rows], k[rows], v[rows])
-                for run in chunks:
-                    lo, hi = bounds[run], bounds[run + 1]
-                    out[lo:hi] = self._attend(caches[run].growable_layers[index], q[lo:hi], k[lo:hi], v[lo:hi],
-                                              masks[run])
+            outs = [self._attend(caches[run].growable_layers[index], q[bounds[run]:bounds[run + 1]],
+                                 k[bounds[run]:bounds[run + 1]], v[bounds[run]:bounds[run + 1]], masks[run])
+                    for run in range(len(runs))]
+            out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [rows, heads * head_dim]
             h = h + layer.o(out)
             h = h + self._mlp(layer, h)
-        for run in native:
-            caches[run].set_length(starts[run] + 1)
         last = torch.tensor(bounds[1:], device=self.device) - 1
         return self._logits(h[last])
-
-    def _native_runs(self, caches: Sequence[SessionKV], lengths: Sequence[int]) -> list[int]:
-        """The runs whose attention the native kernel takes: single tokens on fp32 CPU caches."""
-        if self.native is None:
-            return []
-        return [run for run, n in enumerate(lengths)
-                if n == 1 and caches[run].dtype in NATIVE_CACHE_DTYPES and caches[run].device.type == "cpu"]
-
-    def _attend_native(self, index: int, caches: Sequence[SessionKV], lengths: list[int], q: torch.Tensor,
-                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One call for all ``caches`` at layer ``index``: writes each row's ``k``, ``v`` ``[rows, kv_heads,
-        head_dim]`` at its cache's ``lengths[row]`` and attends ``q`` ``[rows, heads, head_dim]`` over
-        positions ``0 .. lengths[row]``; returns ``[rows, heads * head_dim]``."""
-        buffers = [cache.growable_layers[index].buffers() for cache in caches]
-        out = self.native.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                           [key for key, _ in buffers], [value for _, value in buffers],
-                                           lengths, self.scale)
-        return cast(torch.Tensor, out).view(q.shape[0], -1)
 
     def _attend(self, layer_cache: GrowableLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:

@@ -37,7 +37,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.utils import logging as hf_logging
 
 from chatd.config import ModelSettings
-from chatd.engine import native
 from chatd.engine.kvcache import SessionKV
 from chatd.engine.llama import (
     DenseLinear,
@@ -354,8 +353,6 @@ class ModelRunner:
             forward = gguf_forward(device, model)
         elif weights != "transformers":
             forward = compact_forward(model, weights, device)
-        if forward is not None and settings.native_kernels and device.type == "cpu":
-            forward.native = native.load()
         if weights not in ("transformers", "float32"):
             # K/V computed with other weights differ: their snapshots must never mix.
             weights_hash = f"{weights_hash}+{weights}"
