@@ -25,11 +25,24 @@ STORE_DRIVERS = {"sqlite": "aiosqlite", "postgresql": "asyncpg"}
 """The async driver each supported database needs in ``[store] url``."""
 
 
+SERVER_MODULES = ("torch", "transformers", "fastapi", "uvicorn", "sqlalchemy")
+"""What the ``server`` extra installs (the base install is the client only)."""
+
+
 def check(settings: Settings) -> None:
-    """Every check that reads no more than the file system: store URL, model source, data folder."""
+    """Every check that reads no more than the file system: the server's packages, store URL, model source,
+    data folder."""
+    check_server_installed()
     check_store_url(settings.store_url)
     check_model_source(settings.model)
     check_data_dir(settings.data_path)
+
+
+def check_server_installed() -> None:
+    missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise StartupError(f"the server's packages are not installed ({', '.join(missing)}): "
+                           "pip install 'chatd[server]' (or run make run from a checkout)")
 
 
 def redact_url(url: str) -> str:

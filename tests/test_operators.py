@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import logging
 import os
 import pty
+import re
 import select
 import signal
 import socket
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import termios
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -236,10 +239,15 @@ def test_conversion_progress_reports_percent() -> None:
     readiness = Readiness()
     seen: list[str] = []
     readiness.set_phase = lambda phase, quiet=False: seen.append(phase)  # type: ignore[method-assign]
+    runner_log = logging.getLogger("chatd.engine.runner")
+    runner_log.setLevel(logging.INFO)  # as under the default log_level
     with conversion_progress(readiness):
+        runner_log.info("converting %s to safetensors in %s (once)", "x.gguf", "folder")
         assert list(gguf_utils.tqdm(range(10), desc="Converting")) == list(range(10))
-    assert seen[0] == "converting model 0 %" and "converting model 50 %" in seen
-    assert seen[-1] == "converting model: saving"
+        runner_log.info("converted in %.1f s", 1.0)
+    runner_log.setLevel(logging.NOTSET)
+    assert seen[:2] == ["converting model: reading the GGUF", "converting model 0 %"]
+    assert "converting model 50 %" in seen and seen[-2:] == ["converting model: saving", "loading model"]
     assert gguf_utils.tqdm.__module__.startswith("tqdm")  # restored
 
 
@@ -376,3 +384,27 @@ def test_websocket_url(url: str, expected: tuple[str, str | None]) -> None:
 def test_websocket_url_refuses_other_schemes() -> None:
     with pytest.raises(ValueError, match="ws:// or wss://"):
         websocket_url("ftp://h/ws")
+
+
+# ----------------------------------------------------------------------------- installs
+
+
+def test_the_client_installs_and_runs_without_the_server_packages(server: ServerProcess) -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {re.split(r"[<>=~!\[ ;]", dep, maxsplit=1)[0].lower() for dep in project["dependencies"]}
+    assert base == {"websockets", "pydantic"}
+    server_extra = " ".join(project["optional-dependencies"]["server"])
+    assert all(name in server_extra for name in ("torch", "transformers", "fastapi", "uvicorn"))
+    # `chatd chat` with every server package unimportable, as in an install without the extra.
+    blocked = ("torch", "transformers", "fastapi", "starlette", "uvicorn", "sqlalchemy", "numpy")
+    code = (f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); "
+            "from chatd.cli import main; sys.exit(main(sys.argv[1:]))")
+    run = subprocess.run([sys.executable, "-c", code, "chat", "--url", server.ws_url, "--max-tokens", "3"],
+                         input="Hi\n/usage\n/quit\n", capture_output=True, text=True, timeout=60, cwd=ROOT, env=_env())
+    assert run.returncode == 0, run.stderr
+    assert "new session" in run.stdout and "cached 0/" in run.stdout
+    # And `chatd serve` there says what to install, in one line.
+    run = subprocess.run([sys.executable, "-c", code, "serve", "--config", str(server.config_path)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, env=_env())
+    assert run.returncode == 1
+    assert "pip install 'chatd[server]'" in _one_line_error(run)

@@ -92,8 +92,9 @@ def describe_failure(exc: BaseException, phase: str, settings: Settings) -> Chat
 
 @contextlib.contextmanager
 def conversion_progress(readiness: Readiness) -> Iterator[None]:
-    """Report the first start's GGUF conversion as "converting model N %" (transformers walks the GGUF's
-    tensors through its module-level ``tqdm``; this counts them) and log every CONVERSION_LOG_STEP %."""
+    """Report the first start's GGUF conversion: "converting model: reading the GGUF", then "converting model
+    N %" (transformers walks the GGUF's tensors through its module-level ``tqdm``; this counts them, logging
+    every CONVERSION_LOG_STEP %), "converting model: saving", and "loading model" again after it."""
     try:
         gguf_utils: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     except ImportError:
@@ -113,11 +114,28 @@ def conversion_progress(readiness: Readiness) -> Iterator[None]:
             yield item
         readiness.set_phase("converting model: saving")
 
+    class RunnerMessages(logging.Filter):
+        """The runner's own log lines mark the conversion's start and end (reading the GGUF before the
+        tensor walk takes most of the time; loading the converted folder follows it). Seen at log_level
+        info or debug only; at warning the phase goes from "loading model" straight to the percentages."""
+
+        def filter(self, record: logging.LogRecord) -> bool:
+            message = str(record.msg)
+            if message.startswith("converting "):
+                readiness.set_phase("converting model: reading the GGUF")
+            elif message.startswith("converted in"):
+                readiness.set_phase("loading model")
+            return True
+
+    runner_log = logging.getLogger("chatd.engine.runner")
+    marker = RunnerMessages()
+    runner_log.addFilter(marker)
     gguf_utils.tqdm = counting
     try:
         yield
     finally:
         gguf_utils.tqdm = original
+        runner_log.removeFilter(marker)
 
 
 class Gate:
