@@ -132,13 +132,14 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- readiness and logs
 
-# Holds ``import transformers`` (done on the start-up thread) until the release file exists, so the test
-# sees the server in its loading phase for as long as it needs, on any machine.
+# Holds ``import transformers`` on the start-up thread (not the main thread's find_spec checks before the
+# port opens) until the release file exists, so the test sees the server in its loading phase for as long
+# as it needs, on any machine.
 HOLD_IMPORT = '''
-import os, sys, time
+import os, sys, threading, time
 class _Hold:
     def find_spec(self, name, path=None, target=None):
-        if name == "transformers":
+        if name == "transformers" and threading.current_thread() is not threading.main_thread():
             while not os.path.exists(os.environ["CHATD_TEST_RELEASE"]):
                 time.sleep(0.05)
             sys.meta_path.remove(self)
