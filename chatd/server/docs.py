@@ -1,7 +1,8 @@
 """The API documentation pages and the OpenAPI document, true to what the server does.
 
-* ``/docs`` is Swagger UI with its JS and CSS served from the installed ``swagger-ui-bundle`` package
-  (under ``/docs/assets``), so it works without internet; ReDoc (CDN only) is not offered.
+* ``/docs`` is Swagger UI 5 (it reads OpenAPI 3.1) with its JS and CSS served from the installed
+  ``swagger-ui-bundle-v2`` package (under ``/docs/assets``), so it works without internet; ReDoc (CDN
+  only) is not offered.
 * The OpenAPI document lists the error answers the server really gives: 400 (not FastAPI's 422) with
   chatd's ``{"error": {"code", "message"}}`` body, or OpenAI's error body under ``/v1``; 401 where a token
   is needed; 503 ``unavailable`` while the server starts.
@@ -58,7 +59,7 @@ _DESCRIPTIONS = {
 
 
 def swagger_assets() -> Path | None:
-    """The folder of Swagger UI's files inside the installed ``swagger-ui-bundle`` package; None without it."""
+    """The folder of Swagger UI's files inside the installed ``swagger-ui-bundle-v2`` package; None without it."""
     if importlib.util.find_spec("swagger_ui_bundle") is None:
         return None
     import swagger_ui_bundle  # an optional package: imported only when installed
@@ -68,7 +69,7 @@ def swagger_assets() -> Path | None:
 
 
 def install(app: FastAPI) -> None:
-    """Add ``/docs`` (when swagger-ui-bundle is installed) and the corrected OpenAPI document to ``app``,
+    """Add ``/docs`` (when swagger-ui-bundle-v2 is installed) and the corrected OpenAPI document to ``app``,
     which must have been created with ``docs_url=None, redoc_url=None``."""
     assets = swagger_assets()
     if assets is not None:
