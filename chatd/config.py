@@ -106,6 +106,9 @@ class StoreSettings(_Section):
 class ServerSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    log_format: Literal["text", "json"] = "text"
+    """``text``: one human-readable line per record; ``json``: one JSON object per line (chatd's and
+    uvicorn's records alike), with a turn's fields as keys. The level is the top-level ``log_level``."""
     admin_token: str = ""
     """Bearer token for /admin; empty means one is generated into ``<data_dir>/admin_token``."""
     api_keys: list[str] = Field(default_factory=list)
@@ -182,16 +185,20 @@ def _parse_env_value(raw: str) -> Any:
 
 
 def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> None:
-    """Apply CHATD_<SECTION>__<KEY> and CHATD_<TOP_LEVEL_KEY> variables. Other CHATD_* names (used by
-    tools around chatd) are not settings and are left alone; a wrong key inside a known section is
-    still an error."""
+    """Apply CHATD_<SECTION>__<KEY> and CHATD_<TOP_LEVEL_KEY> variables. A name with ``__`` must name a
+    setting: an unknown section (``CHATD_SERVR__PORT``) or key is an error, never silently ignored. Other
+    CHATD_* names without ``__`` (``CHATD_CONFIG``, ``CHATD_TEST_CACHE``: used by tools around chatd) are
+    not settings and are left alone."""
     sections = {name for name, f in Settings.model_fields.items() if isinstance(f.default_factory, type)}
     top_level = set(Settings.model_fields) - sections - {"base_dir"}
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX) or name == "CHATD_CONFIG":
             continue
         parts = name[len(ENV_PREFIX) :].lower().split("__")
-        if not (parts[0] in sections and len(parts) > 1) and not (len(parts) == 1 and parts[0] in top_level):
+        if len(parts) > 1 and parts[0] not in sections:
+            known = ", ".join(sorted(sections))
+            raise ConfigError(f"environment variable {name}: there is no [{parts[0]}] section (sections: {known})")
+        if len(parts) == 1 and parts[0] not in top_level:
             continue
         target = data
         for part in parts[:-1]:

@@ -103,17 +103,21 @@ class Chatd:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, settings: Settings, *, runner: ModelRunner | None = None,
-                   background: bool = True) -> AsyncIterator[Chatd]:
+    async def open(cls, settings: Settings, *, runner: ModelRunner | None = None, background: bool = True,
+                   on_phase: Callable[[str], None] | None = None) -> AsyncIterator[Chatd]:
         """Start chatd: upgrade the database, load the model (unless ``runner`` is given), clean up
-        snapshot files, start the engine worker and background cache maintenance.
+        snapshot files, start the engine worker and background cache maintenance. ``on_phase`` hears
+        each start-up phase as it begins ("opening store", "loading model", "warming up"), for /readyz.
 
         On exit: running turns are cancelled and committed, idle caches are snapshotted, the worker
         stops and the database is closed.
         """
+        phase = on_phase or (lambda _: None)
+        phase("opening store")
         settings.data_path.mkdir(parents=True, exist_ok=True)
         await db.upgrade_async(settings.store_url)
         if runner is None:
+            phase("loading model")
             runner = await asyncio.to_thread(ModelRunner.load, settings.model, settings.data_path)
             log.info("warming up the engine")
             warm_s = await asyncio.to_thread(runner.warm_up, settings.model.max_batch_size)
@@ -126,6 +130,7 @@ class Chatd:
         engine = db.create_engine(settings.store_url, echo=settings.store.echo)
         repo = Repo(db.make_sessionmaker(engine))
         counters = Counters()
+        phase("warming up")
         worker = EngineWorker(runner, decode_threads=settings.model.decode_threads,
                               prefill_chunk_tokens=settings.model.prefill_chunk_tokens,
                               max_batch_size=settings.model.max_batch_size, counters=counters)

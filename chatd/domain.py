@@ -60,6 +60,8 @@ KEY_SUBPROTOCOL_PREFIX: Final = "chatd.key."
 CLOSE_IDLE: Final = 4000
 CLOSE_UNAUTHORIZED: Final = 4401
 CLOSE_TOO_SLOW: Final = 4408
+CLOSE_TRY_AGAIN_LATER: Final = 1013
+"""The server is still starting (after one ``unavailable`` error frame): connect again when /readyz is 200."""
 
 
 # A DNS name or IPv4 address (underscores allowed: container names use them), or an IPv6 address in

@@ -39,7 +39,8 @@ class InvalidParam(BadRequest):
 
 
 class Unavailable(ChatdError):
-    """The server cannot serve the request now (its engine has stopped)."""
+    """The server cannot serve the request now: it is still starting (``/readyz`` says how far), or its
+    engine has stopped."""
 
     code = "unavailable"
     http_status = 503
@@ -96,7 +97,13 @@ class Internal(ChatdError):
 
 
 class ConfigError(ChatdError):
-    """Invalid configuration; raised at load time, before anything starts."""
+    """Invalid configuration; raised at load time, before anything starts. ``chatd serve`` exits with 2."""
+
+
+class StartupError(ChatdError):
+    """The server cannot start for a reason outside its configuration's syntax (the port is taken, the store
+    does not answer, the model does not load). ``message`` says what, where and what to do; ``chatd serve``
+    exits with 1."""
 
 
 class SnapshotError(ChatdError):
@@ -133,7 +140,7 @@ class SnapshotIdsMismatch(SnapshotError):
 
 WIRE_ERRORS: tuple[type[ChatdError], ...] = (
     BadRequest, UnknownType, TooLarge, NotFound, Busy, ContextLengthExceeded, Unauthorized, RateLimited,
-    ReplyNotSaved, Internal,
+    Unavailable, ReplyNotSaved, Internal,
 )
 """The errors a client can see, in the order docs/protocol.md lists them."""
 

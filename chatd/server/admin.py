@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
 from chatd.core import MAX_PAGE_LIMIT, MAX_PAGE_OFFSET, Chatd, SessionSummary
@@ -24,7 +25,14 @@ def _core(request: Request) -> Chatd:
     return core
 
 
-def require_admin(request: Request) -> None:
+ADMIN_BEARER = HTTPBearer(auto_error=False, scheme_name="adminToken",
+                          description="the admin token: [server] admin_token, or the one generated into "
+                                      "<data_dir>/admin_token")
+
+
+def require_admin(request: Request,
+                  _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(ADMIN_BEARER)]) -> None:
+    """401 unless ``Authorization: Bearer <admin token>`` (the bearer scheme also documents it in OpenAPI)."""
     expected: str = request.app.state.admin_token
     if not bearer_matches(request.headers.get("authorization"), expected):
         raise Unauthorized("admin token required (Authorization: Bearer <token>)")

@@ -6,28 +6,31 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chatd import __version__
+from chatd import __version__, logs
 from chatd.config import Settings
 from chatd.core import Chatd
 from chatd.engine.runner import ModelRunner
 from chatd.errors import ChatdError, Internal, Unauthorized, describe_validation_errors
-from chatd.server import admin, openai_api
+from chatd.server import admin, docs, openai_api
 from chatd.server.metrics import CONTENT_TYPE, Metrics
 from chatd.server.security import WILDCARD_BIND, HostAllowList, SecurityMiddleware, bearer_matches
 from chatd.server.ws import websocket_endpoint
 
 log = logging.getLogger(__name__)
 
+METRICS_BEARER = HTTPBearer(auto_error=False, scheme_name="metricsToken",
+                            description="[server] metrics_token, when set")
 STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "static"
 ADMIN_TOKEN_FILE = "admin_token"
 
@@ -54,12 +57,15 @@ def _error(code: str, message: str, status: int) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
 
 
-def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> FastAPI:
-    """The chatd application. ``runner`` lets tests share an already loaded model."""
+def create_app(settings: Settings, *, runner: ModelRunner | None = None,
+               on_phase: Callable[[str], None] | None = None) -> FastAPI:
+    """The chatd application. ``runner`` lets tests share an already loaded model; ``on_phase`` hears the
+    start-up phases (``chatd serve`` answers /readyz with them, see chatd.server.gate)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with Chatd.open(settings, runner=runner) as core:
+        async with Chatd.open(settings, runner=runner, on_phase=on_phase) as core:
+            core.on_turn(logs.log_turn)
             app.state.core = core
             app.state.metrics = Metrics(core)
             app.state.admin_token = admin_token(settings)
@@ -67,7 +73,7 @@ def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> Fast
             log.info("chatd ready: model %s on %s", core.runner.info.name, core.runner.info.device)
             yield
 
-    app = FastAPI(title="chatd", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="chatd", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Session-aware chat backend: websocket chat at /ws, an OpenAI-compatible API under /v1, "
                               "session admin under /admin.")
     hosts = HostAllowList.from_settings(settings.server)
@@ -118,13 +124,24 @@ def create_app(settings: Settings, *, runner: ModelRunner | None = None) -> Fast
         body = {"status": "ok" if ok else "engine_stopped", "model": core.runner.info.name, "version": __version__}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics", tags=["ops"], dependencies=[Depends(require_metrics_token)])
+    @app.get("/livez", tags=["ops"])
+    async def livez() -> dict[str, str]:
+        """200 as soon as the port is open, also while the model loads: the process is alive."""
+        return {"status": "alive"}
+
+    @app.get("/readyz", tags=["ops"])
+    async def readyz() -> dict[str, str]:
+        """200 once chatd serves (503 with the start-up phase before, e.g. "loading model")."""
+        return {"status": "ready"}
+
+    @app.get("/metrics", tags=["ops"], dependencies=[Depends(require_metrics_token), Depends(METRICS_BEARER)])
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
     app.add_api_websocket_route("/ws", websocket_endpoint)
     app.include_router(admin.router)
     app.include_router(openai_api.router)
+    docs.install(app)
     if STATIC_DIR.is_dir():
         app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="ui")
     return app

@@ -23,8 +23,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPBearer
 
 from chatd.core import Chatd
 from chatd.domain import is_session_id
@@ -50,7 +51,9 @@ T = TypeVar("T")
 SESSION_HEADER = "X-Chatd-Session"
 NEW_SESSION = "new"
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+# Documents the key in OpenAPI (the page's "Authorize"); the check itself is _authorize's.
+API_KEY_BEARER = HTTPBearer(auto_error=False, scheme_name="apiKey", description="a key of [server] api_keys, when set")
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(API_KEY_BEARER)])
 
 
 class ClientGone(Exception):

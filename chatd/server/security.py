@@ -31,9 +31,9 @@ _COMMON_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"x-content-type-options", b"nosniff"),
     (b"referrer-policy", b"no-referrer"),
 )
-# FastAPI's own documentation pages load Swagger UI / ReDoc from a CDN with inline script: a strict CSP
-# would blank them, and they show nothing the OpenAPI document does not.
-_NO_CSP_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc"})
+# The Swagger UI page (chatd.server.docs; its assets come from this server) starts with an inline script: a
+# strict CSP would blank it, and it shows nothing the OpenAPI document does not.
+_NO_CSP_PATHS = frozenset({"/docs"})
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The websocket transport ``chatd serve`` runs: uvicorn's ``websockets`` protocol with a fixed socket send buffer.
+"""The websocket transport ``chatd serve`` runs: uvicorn's sans-I/O ``websockets`` protocol with a fixed socket
+send buffer.
 
 The slow-reader limit (close 4408, generations cancelled) counts frames queued in
 :class:`~chatd.server.connection.Connection` that the socket would not take. Linux grows a socket's send buffer
@@ -14,12 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import warnings
 
-with warnings.catch_warnings():
-    # uvicorn marks its websockets protocol deprecated in favour of a sans-I/O one; chatd serves the former.
-    warnings.simplefilter("ignore")
-    from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol as _UvicornWebSocketProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 SEND_BUFFER_BYTES = 64 * 1024
 """``SO_SNDBUF`` of every websocket connection (Linux doubles it for bookkeeping). Token frames are ~100 bytes,
@@ -35,8 +32,9 @@ def limit_send_buffer(transport: asyncio.BaseTransport, size: int = SEND_BUFFER_
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
 
-class WebSocketProtocol(_UvicornWebSocketProtocol):
-    """uvicorn's ``websockets`` protocol with :func:`limit_send_buffer` applied when the connection upgrades."""
+class WebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's sans-I/O ``websockets`` protocol (``ws="websockets-sansio"``) with :func:`limit_send_buffer`
+    applied when the connection upgrades."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         limit_send_buffer(transport)
