@@ -207,8 +207,20 @@ def _measure(bench: Bench, corpus: Corpus, server: LlamaServer, chatd_figures: d
         rates.append(float(result.get("timings", {}).get("predicted_per_second", 0.0)))
     llama_tps = median(rates)
 
+    # A stateless OpenAI client: figure 9's conversation shape through llama-server's /v1/chat/completions.
+    from benchmarks.openai_api import TURNS, USER_TOKENS, conversation
+
+    questions = [corpus.text(USER_TOKENS) for _ in range(TURNS)]
+    resend = conversation(server.http, "packaged", questions, bench.plan.reply_tokens, lambda turn: "peer",
+                          {"cache_prompt": True})
     section: dict[str, Any] = {"prompt_reuse": turns, "slot": slot, "decode_tokens_per_s": llama_tps,
-                               "decode_runs_tps": rates}
+                               "decode_runs_tps": rates, "openai_resend": resend}
+    chatd_openai = chatd_figures.get("openai_resend")
+    if chatd_openai is not None and chatd_openai.status == "ok":
+        for row, chatd_row in zip(resend, chatd_openai.rows, strict=False):
+            row["chatd_prompt_tokens"] = chatd_row["prompt_tokens"]
+            row["chatd_cached_tokens"] = chatd_row["cached_tokens"]
+            row["chatd_ttft_ms"] = chatd_row["ttft_cache_ms"]
     # Beside chatd's own numbers from this run.
     chatd_ttft = chatd_figures.get("ttft_vs_history")
     if chatd_ttft is not None and chatd_ttft.status == "ok":
@@ -257,4 +269,13 @@ def peer_markdown(section: dict[str, Any]) -> str:
                    f"{section['chatd_websocket_tokens_per_s']:.1f} tok/s "
                    f"(llama-server / chatd websocket = {section['llama_over_chatd_websocket']:.2f}x)")
     lines.append(decode + ".")
+    if section.get("openai_resend"):
+        lines += ["", "OpenAI API, a 10-turn conversation resent whole each turn (figure 9's shape; llama-server "
+                  "with cache_prompt):", ""]
+        lines.append(table_markdown(Figure("peer_openai", "", "", columns=[
+            Column("turn", "turn"), Column("prompt_tokens", "llama prompt tokens"),
+            Column("cached_tokens", "llama cached"), Column("ttft_ms", "llama TTFT ms", "{:.0f}"),
+            Column("chatd_prompt_tokens", "chatd prompt tokens"), Column("chatd_cached_tokens", "chatd cached"),
+            Column("chatd_ttft_ms", "chatd TTFT ms", "{:.0f}"),
+        ], rows=section["openai_resend"])))
     return "\n".join(lines) + "\n"
