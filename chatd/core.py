@@ -119,6 +119,7 @@ class Chatd:
         if runner is None:
             phase("loading model")
             runner = await asyncio.to_thread(ModelRunner.load, settings.model, settings.data_path)
+            phase("warming up")
             log.info("warming up the engine")
             warm_s = await asyncio.to_thread(runner.warm_up, settings.model.max_batch_size)
             log.info("engine warm in %.1f s", warm_s)
