@@ -211,8 +211,12 @@ def _measure(bench: Bench, corpus: Corpus, server: LlamaServer, chatd_figures: d
     from benchmarks.openai_api import TURNS, USER_TOKENS, conversation
 
     questions = [corpus.text(USER_TOKENS) for _ in range(TURNS)]
-    resend = conversation(server.http, "packaged", questions, bench.plan.reply_tokens, lambda turn: "peer",
-                          {"cache_prompt": True})
+    # A fresh connection per request: llama-server drops idle keep-alive connections after a few seconds,
+    # shorter than a turn on a busy machine.
+    with httpx.Client(base_url=server.http.base_url, timeout=600,
+                      limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        resend = conversation(http, "packaged", questions, bench.plan.reply_tokens, lambda turn: "peer",
+                              {"cache_prompt": True})
     section: dict[str, Any] = {"prompt_reuse": turns, "slot": slot, "decode_tokens_per_s": llama_tps,
                                "decode_runs_tps": rates, "openai_resend": resend}
     chatd_openai = chatd_figures.get("openai_resend")
