@@ -123,8 +123,8 @@ def test_healthz_reports_a_dead_engine(make_settings, tiny_dir, tiny_runner) -> 
 
 async def test_small_steps_run_on_the_decode_thread_count(tiny_runner: ModelRunner,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    # A wide step (a prompt of WIDE_STEP_ROWS tokens or more) takes every thread; a one-session decode
-    # step takes decode_threads.
+    # A step with a prompt chunk (WIDE_STEP_ROWS tokens or more) takes every thread; decode steps take
+    # decode_threads.
     seen: dict[str, set[int]] = {"wide": set(), "small": set()}
     real_step = tiny_runner.step
 
