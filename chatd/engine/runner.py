@@ -408,7 +408,10 @@ class ModelRunner:
     def warm_up(self, max_batch_size: int = 16) -> float:
         """Run each kind of step once on scratch caches (a prompt chunk, a one-session decode step and a
         full-batch one), so that the first requests do not pay the kernels' one-time set-up (the bf16
-        matmul's first call alone takes about half a second on this kind of CPU). Returns seconds."""
+        matmul's first call alone takes about half a second on this kind of CPU). Returns seconds.
+
+        Called once at start-up, before the engine worker exists (chatd.core), so nothing else is using the
+        model; afterwards the worker is its only caller."""
         started = time.monotonic()
         vocab = self.info.vocab_size
         caches = [self.new_cache() for _ in range(max(1, max_batch_size))]
