@@ -240,9 +240,10 @@ def test_hash_chain_depends_on_prefix_and_salt() -> None:
 
 
 def _state(allocator: BlockAllocator, tables: Sequence[BlockTable]) -> object:
-    return (allocator.stats(), list(allocator._free_ids), list(allocator._cached), dict(allocator._index),
-            list(allocator._ref_counts), [(list(t.block_ids), list(t.token_ids), t.num_computed_tokens)
-                                          for t in tables])
+    return (allocator.stats(), allocator._free.bitmap(), list(allocator._cached), dict(allocator._index),
+            list(allocator._ref_counts),
+            [(list(t.block_ids), list(t.spare_block_ids), list(t.token_ids), t.num_computed_tokens)
+             for t in tables])
 
 
 def test_failures_change_nothing() -> None:

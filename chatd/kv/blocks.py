@@ -18,23 +18,47 @@ stays registered and findable ("cached") until its room is needed; cached blocks
 recently released first, and a table is released tail first, so the end of a chain goes before its
 beginning.
 
+Spare blocks (reservations). Besides ``block_ids``, a table may hold *spare* blocks
+(``spare_block_ids``): private, never registered, content meaningless, room for positions it does not
+have yet. :meth:`BlockAllocator.reserve` makes a table hold room for a whole turn (prompt plus max new
+tokens) up front, so a running generation never finds the pool exhausted midway;
+:meth:`~BlockAllocator.append` takes the spares first, in order, and the pool only after they run out
+(a copy-on-write of a shared last block takes its destination from the spares too);
+:meth:`~BlockAllocator.trim` gives back what a turn did not use. :meth:`~BlockAllocator.truncate` keeps
+a table's capacity: the private, unregistered blocks it cuts off become spares (shared ones are
+released, registered ones go cached). :meth:`~BlockAllocator.free` releases spares too, and
+:meth:`~BlockAllocator.fork` does not copy them.
+
+Contiguity. Attention reads a table's K/V as a view of the pool when its block ids are consecutive
+(``b, b+1, b+2, ...``) and has to gather them otherwise (:func:`block_runs` splits a table into such
+runs). So when a table needs ``k`` new blocks (allocate, append, reserve, a copy-on-write destination)
+they are taken as consecutive ids where possible: the ``k`` ids right after the table's last held block
+(its last spare, else its last block; for a copy-on-write, the block before the one replaced) when they
+are all free; else the first free run of ``k`` ids; else the longest free runs; and only when no free
+block is left, cached blocks in LRU order. The free blocks are a bitmap, so looking for a run is a
+C-speed ``bytearray.find``.
+
 Block states (every block is in exactly one):
 
 * free: ``ref_count == 0``, not registered, content meaningless;
 * cached: ``ref_count == 0``, registered in the hash index, evictable (LRU order);
-* used: ``ref_count >= 1``, referenced by that many live tables; registered or not.
+* used: ``ref_count >= 1``, referenced by that many live tables, in their ``block_ids`` (registered or
+  not) or, with ``ref_count == 1`` and never registered, as one table's spare.
 
 Invariants (checked by :meth:`BlockAllocator.verify`):
 
-1. ``ref_count[b]`` equals the number of live tables holding ``b``; a table never holds a block twice.
+1. ``ref_count[b]`` equals the number of live tables holding ``b`` (in ``block_ids`` or as a spare); a
+   table never holds a block twice, counting its spares. A spare is held by its table only
+   (``ref_count == 1``) and is never registered.
 2. The hash index maps each registered hash to exactly one block and back; a registered block's stored
    token ids are its content, and it is full in every table that holds it. Hence a table's partially
    filled last block is never registered, and a write never lands in a block someone may find by hash.
 3. A block whose K/V is not yet committed is held by exactly one table (fork needs a committed
    table), so exactly one forward pass writes it.
-4. ``len(table.block_ids) == ceil(table.num_tokens / block_size)`` and
+4. ``len(table.block_ids) == ceil(table.num_tokens / block_size)`` (spares are extra) and
    ``table.num_computed_tokens <= table.num_tokens``.
-5. ``num_free + num_cached + num_used == num_blocks``; after every table is freed ``num_used == 0``.
+5. ``num_free + num_cached + num_used == num_blocks`` (spares count as used); after every table is
+   freed ``num_used == 0``.
 6. Any operation that raises leaves every table and every count exactly as it was.
 
 Writes and copy-on-write. Only a table's partially filled last block is ever written by appends.
@@ -42,6 +66,8 @@ When that block is shared (``ref_count > 1``, after :meth:`BlockAllocator.fork` 
 short), the table first gets a private copy: the operation returns :class:`BlockCopy` instructions that
 the tensor side must execute (``PagedKVPool.copy_blocks``) before any K/V is written to the table's new
 slots. A registered block held by one table only is taken over in place instead (unregistered; no copy).
+A :meth:`~BlockAllocator.reserve` counts that copy: after ``reserve(table, n)``, appending up to ``n``
+positions in all takes nothing from the pool.
 
 Threading: not thread-safe; one owner (the KV manager) calls it.
 """
@@ -50,7 +76,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -102,6 +128,9 @@ class BlockStats:
     num_cached_blocks: int
     """Unreferenced blocks kept findable by hash; evicted when room is needed."""
     num_used_blocks: int
+    """Blocks held by live tables, spares included."""
+    num_spare_blocks: int
+    """Of those, spares: reserved by a table for positions it does not have yet."""
     num_shared_blocks: int
     """Used blocks held by more than one table."""
     num_tables: int
@@ -149,21 +178,86 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """The maximal runs of consecutive ids in ``block_ids``, in order, as ``(first_block_id, num_blocks)``:
+    ``[4, 5, 6, 9, 10, 2]`` gives ``[(4, 3), (9, 2), (2, 1)]``. A run is one view of the pool."""
+    runs: list[tuple[int, int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block_id, 1))
+    return runs
+
+
+class _FreeBlocks:
+    """The free block ids as a bitmap (1 = free): take or return a given id in O(1), count in O(1),
+    find a run of consecutive free ids with ``bytearray.find`` (C speed)."""
+
+    __slots__ = ("_bits", "_count")
+
+    def __init__(self, num_blocks: int) -> None:
+        self._bits = bytearray(b"\x01") * num_blocks
+        self._count = num_blocks
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, block_id: int) -> bool:
+        return self._bits[block_id] == 1
+
+    def add(self, block_id: int) -> None:
+        assert self._bits[block_id] == 0, f"block {block_id} freed twice"
+        self._bits[block_id] = 1
+        self._count += 1
+
+    def remove(self, block_id: int) -> None:
+        assert self._bits[block_id] == 1, f"block {block_id} is not free"
+        self._bits[block_id] = 0
+        self._count -= 1
+
+    def is_run(self, start: int, length: int) -> bool:
+        """Whether ids ``[start, start + length)`` are all free (and exist)."""
+        return 0 <= start and self._bits.find(b"\x01" * length, start, start + length) == start
+
+    def find_run(self, length: int) -> int:
+        """The first id of the first run of ``length`` free ids, or -1."""
+        return self._bits.find(b"\x01" * length)
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Every maximal run of free ids as ``(start, length)``, in id order."""
+        bits = self._bits
+        runs: list[tuple[int, int]] = []
+        start = bits.find(1)
+        while start != -1:
+            end = bits.find(0, start)
+            if end == -1:
+                end = len(bits)
+            runs.append((start, end - start))
+            start = bits.find(1, end)
+        return runs
+
+    def bitmap(self) -> bytes:
+        return bytes(self._bits)
+
+
 class BlockTable:
     """One sequence's blocks. Created and changed only by its :class:`BlockAllocator`.
 
-    Callers read ``block_ids``, ``token_ids``, ``num_tokens`` and ``slot_ids``; they must not
-    mutate the returned sequences.
+    Callers read ``block_ids``, ``spare_block_ids``, ``token_ids``, ``num_tokens``, ``capacity`` and
+    ``slot_ids``; they must not mutate the returned sequences.
     """
 
-    __slots__ = ("_block_hashes", "_block_ids", "_live", "_num_computed", "_root", "_token_ids", "block_size",
-                 "table_id")
+    __slots__ = ("_block_hashes", "_block_ids", "_live", "_num_computed", "_root", "_spare_ids", "_token_ids",
+                 "block_size", "table_id")
 
     def __init__(self, table_id: int, block_size: int, root: bytes) -> None:
         self.table_id = table_id
         self.block_size = block_size
         self._root = root  # parent hash of the first block: salt and namespace
         self._block_ids: list[int] = []
+        # Reserved blocks for the positions after the last block, in position order (see the module doc).
+        self._spare_ids: list[int] = []
         self._token_ids: list[int] = []
         # Hashes of the leading full blocks whose K/V is computed: exactly num_computed // block_size.
         self._block_hashes: list[bytes] = []
@@ -173,6 +267,18 @@ class BlockTable:
     @property
     def block_ids(self) -> Sequence[int]:
         return self._block_ids
+
+    @property
+    def spare_block_ids(self) -> Sequence[int]:
+        """Blocks reserved for the positions after ``block_ids``: private, unregistered, content
+        meaningless; the next appends take them first, in this order."""
+        return self._spare_ids
+
+    @property
+    def capacity(self) -> int:
+        """Positions the table's blocks, spares included, can hold (appends up to it take no block
+        from the pool, unless its partially filled last block is shared and needs a copy)."""
+        return (len(self._block_ids) + len(self._spare_ids)) * self.block_size
 
     @property
     def token_ids(self) -> Sequence[int]:
@@ -202,7 +308,8 @@ class BlockTable:
         return [blocks[p // size] * size + p % size for p in range(start, stop)]
 
     def __repr__(self) -> str:
-        return f"BlockTable(id={self.table_id}, tokens={self.num_tokens}, blocks={self._block_ids})"
+        spares = f", spares={self._spare_ids}" if self._spare_ids else ""
+        return f"BlockTable(id={self.table_id}, tokens={self.num_tokens}, blocks={self._block_ids}{spares})"
 
 
 class BlockAllocator:
@@ -220,7 +327,7 @@ class BlockAllocator:
         self._block_hashes: list[bytes | None] = [None] * num_blocks
         self._block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
         self._index: dict[bytes, int] = {}
-        self._free_ids: deque[int] = deque(range(num_blocks))
+        self._free = _FreeBlocks(num_blocks)
         self._cached: OrderedDict[int, None] = OrderedDict()  # oldest release first
         self._tables: dict[int, BlockTable] = {}
         self._next_table_id = 0
@@ -233,7 +340,7 @@ class BlockAllocator:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_ids)
+        return len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -242,7 +349,7 @@ class BlockAllocator:
     @property
     def num_available_blocks(self) -> int:
         """Blocks an allocation may take: free ones, then cached ones (evicting them)."""
-        return len(self._free_ids) + len(self._cached)
+        return len(self._free) + len(self._cached)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -271,10 +378,11 @@ class BlockAllocator:
         return len(self._lookup(token_ids, len(token_ids) // self.block_size, root)[0]) * self.block_size
 
     def blocks_needed_to_append(self, table: BlockTable, num_tokens: int) -> int:
-        """Blocks :meth:`append` of ``num_tokens`` would take (including a copy-on-write)."""
+        """Blocks :meth:`append` of ``num_tokens`` would take from the pool (including a copy-on-write),
+        beyond the table's spares."""
         self._check_live(table)
-        fresh, cow = self._append_need(table, num_tokens)
-        return fresh + cow
+        need, _ = self._append_need(table, num_tokens)
+        return max(0, need - len(table._spare_ids))
 
     def stats(self) -> BlockStats:
         fills: dict[int, int] = {}
@@ -284,13 +392,14 @@ class BlockAllocator:
                 fill = min(size, table.num_tokens - i * size)
                 if fill > fills.get(block_id, 0):
                     fills[block_id] = fill
-        num_used = self.num_blocks - len(self._free_ids) - len(self._cached)
+        num_used = self.num_blocks - len(self._free) - len(self._cached)
         return BlockStats(
             num_blocks=self.num_blocks,
             block_size=size,
-            num_free_blocks=len(self._free_ids),
+            num_free_blocks=len(self._free),
             num_cached_blocks=len(self._cached),
             num_used_blocks=num_used,
+            num_spare_blocks=sum(len(t._spare_ids) for t in self._tables.values()),
             num_shared_blocks=sum(1 for r in self._ref_counts if r > 1),
             num_tables=len(self._tables),
             num_logical_tokens=sum(t.num_tokens for t in self._tables.values()),
@@ -334,18 +443,19 @@ class BlockAllocator:
         for block_id in hit_ids[:num_taken]:
             self._acquire(block_id)
             table._block_ids.append(block_id)
+        # Taken after the hits are acquired, so it never evicts one of them.
+        new_ids = self._take_blocks(num_new, table._block_ids[-1] if table._block_ids else None)
         copies: list[BlockCopy] = []
         if cut:
             last = hit_ids[-1]
             if cow:
-                dst = self._take_block()
+                dst = new_ids.pop(0)
                 copies.append(BlockCopy(last, dst))
                 self._num_copied += 1
                 table._block_ids.append(dst)
             else:
                 self._unregister(last)
-        for _ in range(num_new - (1 if cow else 0)):
-            table._block_ids.append(self._take_block())
+        table._block_ids.extend(new_ids)
         table._token_ids = ids
         table._num_computed = num_cached
         table._block_hashes = hit_hashes[: num_cached // size]
@@ -355,6 +465,7 @@ class BlockAllocator:
 
     def append(self, table: BlockTable, token_ids: Sequence[int]) -> list[BlockCopy]:
         """Hold slots for ``token_ids`` after the table's last position (``table.slot_ids(old_len)``).
+        New blocks are the table's spares first, in order, then blocks from the pool.
 
         Returns the copies to execute first when the table's partially filled last block was shared.
         Raises :class:`BlockPoolExhausted` (changing nothing) when the pool cannot hold them.
@@ -363,15 +474,41 @@ class BlockAllocator:
         ids = list(token_ids)
         if not ids:
             return []
-        fresh, cow = self._append_need(table, len(ids))
-        self._require(fresh + cow, self.num_available_blocks)
+        need, cow = self._append_need(table, len(ids))
+        self._require(need - len(table._spare_ids), self.num_available_blocks)
+        new_ids = self._take_for(table, need, replacing_last=cow)
         copies: list[BlockCopy] = []
         if cow:
-            copies.append(self._copy_last(table))
-        for _ in range(fresh):
-            table._block_ids.append(self._take_block())
+            copies.append(self._copy_last(table, new_ids.pop(0)))
+        table._block_ids.extend(new_ids)
         table._token_ids.extend(ids)
         return copies
+
+    def reserve(self, table: BlockTable, num_tokens: int) -> None:
+        """Make the table hold room for ``num_tokens`` positions in all (its tokens plus the ones to
+        come), taking spare blocks from the pool as needed; a no-op when it already does. Afterwards,
+        appends up to ``num_tokens`` positions take nothing from the pool: when the table's partially
+        filled last block is shared, the spare its copy-on-write will need is reserved too.
+
+        Raises :class:`BlockPoolExhausted` (changing nothing) when the pool cannot supply them.
+        """
+        self._check_live(table)
+        need, _ = self._append_need(table, num_tokens - table.num_tokens)
+        missing = need - len(table._spare_ids)
+        if missing <= 0:
+            return
+        self._require(missing, self.num_available_blocks)
+        table._spare_ids.extend(self._take_blocks(missing, self._last_held(table)))
+
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Give back the spare blocks that room for ``max(num_tokens, table.num_tokens)`` positions
+        does not need (the undone part of a :meth:`reserve`), last first. ``trim(table, 0)`` gives
+        back every spare."""
+        self._check_live(table)
+        keep, _ = self._append_need(table, num_tokens - table.num_tokens)
+        spares = table._spare_ids
+        while len(spares) > keep:
+            self._release(spares.pop())
 
     def commit(self, table: BlockTable, num_tokens: int | None = None) -> None:
         """Declare the K/V of the table's first ``num_tokens`` positions (default: all) written.
@@ -399,10 +536,13 @@ class BlockAllocator:
                 self._block_token_ids[block_id] = tuple(chunk)
 
     def truncate(self, table: BlockTable, num_tokens: int) -> list[BlockCopy]:
-        """Keep the first ``num_tokens`` positions (crop after an edit). Blocks past them are released
-        (registered ones stay cached). When the new last block is partially filled and shared, the
-        table gets a private copy (returned) so later appends never write into another table's
-        tokens; a registered block held only by this table is unregistered instead.
+        """Keep the first ``num_tokens`` positions (crop after an edit). Of the blocks past them, the
+        ones only this table holds and nobody can find by hash become spares (ahead of the existing
+        spares, in position order), so the table keeps its capacity; shared ones are released, and
+        registered ones stay cached. When the new last block is partially filled and shared, the
+        table gets a private copy (returned; its destination a spare if there is one) so later
+        appends never write into another table's tokens; a registered block held only by this table
+        is unregistered instead.
 
         Raises ValueError when ``num_tokens`` exceeds the table, :class:`BlockPoolExhausted`
         (changing nothing) when a needed copy has no room.
@@ -413,27 +553,31 @@ class BlockAllocator:
         size = self.block_size
         keep = num_blocks_for(num_tokens, size)
         released = table._block_ids[keep:]
+        to_spare = [b for b in released if self._ref_counts[b] == 1 and self._block_hashes[b] is None]
         last = table._block_ids[keep - 1] if num_tokens % size else None
         cow = last is not None and self._ref_counts[last] > 1
-        if cow:
-            freed_here = sum(1 for b in released if self._ref_counts[b] == 1)
-            self._require(1, self.num_available_blocks + freed_here)
+        if cow and not to_spare and not table._spare_ids:
+            to_cache = sum(1 for b in released if self._ref_counts[b] == 1)  # all registered here
+            self._require(1, self.num_available_blocks + to_cache)
+        kept = set(to_spare)
         for block_id in reversed(released):
-            self._release(block_id)
+            if block_id not in kept:
+                self._release(block_id)
+        table._spare_ids[:0] = to_spare
         del table._block_ids[keep:]
         del table._token_ids[num_tokens:]
         table._num_computed = min(table._num_computed, num_tokens)
         del table._block_hashes[table._num_computed // size :]
         copies: list[BlockCopy] = []
         if cow:
-            copies.append(self._copy_last(table))
+            copies.append(self._copy_last(table, self._take_for(table, 1, replacing_last=True)[0]))
         elif last is not None and self._block_hashes[last] is not None:
             self._unregister(last)
         return copies
 
     def fork(self, table: BlockTable) -> BlockTable:
-        """A new table sharing every block of ``table`` (same tokens). Never fails; the first append
-        into a shared partially filled last block copies it.
+        """A new table sharing every block of ``table`` (same tokens; no spares). Never fails; the
+        first append into a shared partially filled last block copies it.
 
         Raises ValueError when ``table`` has positions not yet committed: a block being computed is
         never shared, so only one table ever writes it.
@@ -451,11 +595,14 @@ class BlockAllocator:
         return child
 
     def free(self, table: BlockTable, *, keep_cached: bool = True) -> None:
-        """Release all of a table's blocks, last first (registered ones stay cached, evicted before
-        the blocks that precede them). With ``keep_cached=False`` (a deleted conversation) the blocks
-        no other table holds are unregistered and freed at once. The table is dead afterwards;
-        freeing it again raises."""
+        """Release all of a table's blocks, spares included, last first (registered ones stay
+        cached, evicted before the blocks that precede them). With ``keep_cached=False`` (a deleted
+        conversation) the blocks no other table holds are unregistered and freed at once. The table
+        is dead afterwards; freeing it again raises."""
         self._check_live(table)
+        for block_id in reversed(table._spare_ids):
+            self._release(block_id)
+        table._spare_ids = []
         for block_id in reversed(table._block_ids):
             if not keep_cached and self._ref_counts[block_id] == 1:
                 self._unregister(block_id)
@@ -473,7 +620,7 @@ class BlockAllocator:
         while self._cached:
             block_id, _ = self._cached.popitem(last=False)
             self._unregister(block_id)
-            self._free_ids.append(block_id)
+            self._free.add(block_id)
         self._num_evicted += count
         return count
 
@@ -484,7 +631,12 @@ class BlockAllocator:
         size = self.block_size
         for table in self._tables.values():
             _check(table._live, f"{table} is in the registry but dead")
-            _check(len(set(table._block_ids)) == len(table._block_ids), f"{table} holds a block twice")
+            held = [*table._block_ids, *table._spare_ids]
+            _check(len(set(held)) == len(held), f"{table} holds a block twice (spares included)")
+            for block_id in table._spare_ids:
+                refs[block_id] += 1
+                _check(self._ref_counts[block_id] == 1, f"{table} spare {block_id} is held by another table")
+                _check(self._block_hashes[block_id] is None, f"{table} spare {block_id} is registered")
             _check(len(table._block_ids) == num_blocks_for(table.num_tokens, size), f"{table} block count")
             _check(table._num_computed <= table.num_tokens, f"{table} computed past its end")
             _check(len(table._block_hashes) == table._num_computed // size, f"{table} hash count")
@@ -499,9 +651,9 @@ class BlockAllocator:
                     _check(i < len(table._block_hashes) and table._block_hashes[i] == registered,
                            f"{table} holds registered block {block_id} without its hash")
         _check(refs == self._ref_counts, "reference counts differ from the live tables")
-        free = set(self._free_ids)
+        free = {b for b in range(self.num_blocks) if b in self._free}
         cached = set(self._cached)
-        _check(len(free) == len(self._free_ids), "a block is on the free list twice")
+        _check(len(free) == len(self._free), "the free count differs from the free bitmap")
         _check(not free & cached, "a block is both free and cached")
         for block_id in range(self.num_blocks):
             used = refs[block_id] > 0
@@ -552,26 +704,82 @@ class BlockAllocator:
             hashes.append(parent)
         return block_ids, hashes
 
-    def _append_need(self, table: BlockTable, num_tokens: int) -> tuple[int, int]:
-        """(fresh blocks, 1 when the last block needs a copy first) for appending ``num_tokens``."""
+    def _append_need(self, table: BlockTable, num_tokens: int) -> tuple[int, bool]:
+        """``(blocks, copy)`` for appending ``num_tokens`` positions: the blocks the table must take,
+        spares first (new ones, plus the destination of a copy-on-write), and whether its partially
+        filled last block is shared and needs that copy first."""
         if num_tokens <= 0:
-            return 0, 0
+            return 0, False
         size = self.block_size
         offset = table.num_tokens % size
         room = size - offset if offset else 0
-        cow = 1 if offset and self._ref_counts[table._block_ids[-1]] > 1 else 0
-        return num_blocks_for(max(0, num_tokens - room), size), cow
+        cow = offset != 0 and self._ref_counts[table._block_ids[-1]] > 1
+        return num_blocks_for(max(0, num_tokens - room), size) + int(cow), cow
 
-    def _take_block(self) -> int:
-        """A block for new content: a free one, else the least recently released cached one."""
-        if self._free_ids:
-            block_id = self._free_ids.popleft()
-        else:
+    @staticmethod
+    def _last_held(table: BlockTable) -> int | None:
+        """The block a table's next new block should follow: its last spare, else its last block."""
+        if table._spare_ids:
+            return table._spare_ids[-1]
+        return table._block_ids[-1] if table._block_ids else None
+
+    def _take_for(self, table: BlockTable, count: int, *, replacing_last: bool = False) -> list[int]:
+        """``count`` blocks for the table's next positions, in position order: its spares first, then
+        blocks from the pool continuing its run. ``replacing_last``: the first one replaces the
+        table's last block (a copy-on-write), so it follows the block before that one. The caller has
+        checked that the pool can supply what the spares do not."""
+        spares = table._spare_ids
+        taken = spares[:count]
+        del spares[:count]
+        if len(taken) < count:
+            blocks = table._block_ids
+            if taken:
+                after: int | None = taken[-1]
+            elif replacing_last:
+                after = blocks[-2] if len(blocks) >= 2 else None
+            else:
+                after = blocks[-1] if blocks else None
+            taken += self._take_blocks(count - len(taken), after)
+        return taken
+
+    def _take_blocks(self, count: int, after: int | None) -> list[int]:
+        """``count`` blocks from the pool for new content (ref_count 1, unregistered), preferring
+        consecutive ids (see the module docstring): the ids right after ``after``, else the first
+        free run of ``count``, else the longest free runs; cached blocks, least recently released
+        first, only when no free block is left. The caller has checked that ``count`` are available."""
+        block_ids = self._pick_free(count, after)
+        for block_id in block_ids:
+            self._free.remove(block_id)
+        while len(block_ids) < count:
             block_id, _ = self._cached.popitem(last=False)
             self._unregister(block_id)
             self._num_evicted += 1
-        self._ref_counts[block_id] = 1
-        return block_id
+            block_ids.append(block_id)
+        for block_id in block_ids:
+            self._ref_counts[block_id] = 1
+        return block_ids
+
+    def _pick_free(self, count: int, after: int | None) -> list[int]:
+        """Up to ``count`` free ids (all free ones when fewer), in the order a table should hold them."""
+        free = self._free
+        if count <= 0 or not free:
+            return []
+        start = -1 if after is None else after + 1
+        if start >= 0 and free.is_run(start, count):
+            return list(range(start, start + count))
+        found = free.find_run(count)
+        if found >= 0:
+            return list(range(found, found + count))
+        # No run is long enough (or fewer than count are free): the run that continues the table's
+        # first, then the longest ones.
+        runs = sorted(free.runs(), key=lambda run: (run[0] != start, -run[1], run[0]))
+        picked: list[int] = []
+        for first, length in runs:
+            take = min(length, count - len(picked))
+            picked.extend(range(first, first + take))
+            if len(picked) == count:
+                break
+        return picked
 
     def _acquire(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:
@@ -584,7 +792,7 @@ class BlockAllocator:
             if self._block_hashes[block_id] is not None:
                 self._cached[block_id] = None
             else:
-                self._free_ids.append(block_id)
+                self._free.add(block_id)
 
     def _unregister(self, block_id: int) -> None:
         block_hash = self._block_hashes[block_id]
@@ -593,10 +801,9 @@ class BlockAllocator:
             self._block_hashes[block_id] = None
             self._block_token_ids[block_id] = None
 
-    def _copy_last(self, table: BlockTable) -> BlockCopy:
-        """Give the table a private copy of its (shared) last block."""
+    def _copy_last(self, table: BlockTable, dst: int) -> BlockCopy:
+        """Give the table a private copy of its (shared) last block in ``dst``, a block it has taken."""
         src = table._block_ids[-1]
-        dst = self._take_block()
         self._release(src)
         table._block_ids[-1] = dst
         self._num_copied += 1
