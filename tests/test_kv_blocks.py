@@ -239,6 +239,17 @@ def test_hash_chain_depends_on_prefix_and_salt() -> None:
     assert allocator.hashes_of([1, 2, 3, 4, *block])[1] != allocator.hashes_of([1, 2, 3, 9, *block])[1]
 
 
+def blocks_to_append(allocator: BlockAllocator, table: BlockTable, num_tokens: int) -> int:
+    """Blocks appending ``num_tokens`` positions takes, spares or not: new ones, plus a copy of a shared
+    partially filled last block."""
+    if num_tokens <= 0:
+        return 0
+    offset = table.num_tokens % BS
+    room = BS - offset if offset else 0
+    cow = offset != 0 and allocator.ref_count(table.block_ids[-1]) > 1
+    return -(-max(0, num_tokens - room) // BS) + int(cow)
+
+
 def _state(allocator: BlockAllocator, tables: Sequence[BlockTable]) -> object:
     return (allocator.stats(), allocator._free.bitmap(), list(allocator._cached), dict(allocator._index),
             list(allocator._ref_counts),
@@ -269,19 +280,22 @@ def test_failures_change_nothing() -> None:
     allocator.verify()
 
 
-def test_randomized_operations_keep_invariants_and_contents() -> None:
-    rng = random.Random(1234)
+@pytest.mark.parametrize("seed", [1234, 99])
+def test_randomized_operations_keep_invariants_and_contents(seed: int) -> None:
+    rng = random.Random(seed)
     allocator, pool = new(num_blocks=24)
     prefixes = [[rng.randrange(1, 6) for _ in range(rng.randrange(0, 14))] for _ in range(4)]
     tables: list[BlockTable] = []
     model: dict[int, list[int]] = {}  # table id -> expected token ids
     num_failures = 0
+    num_reserved_appends = 0
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(1, 4) for _ in range(n)]
 
     for _ in range(1500):
-        op = rng.choice(["allocate", "allocate", "append", "truncate", "fork", "free", "truncate_append"])
+        op = rng.choice(["allocate", "allocate", "append", "truncate", "fork", "free", "truncate_append",
+                         "reserve", "reserve", "trim"])
         before = _state(allocator, tables)
         try:
             if op == "allocate" or not tables:
@@ -301,7 +315,10 @@ def test_randomized_operations_keep_invariants_and_contents() -> None:
             table = rng.choice(tables)
             if op == "append":
                 ids = tokens(rng.randrange(1, 7))
+                need = allocator.blocks_needed_to_append(table, len(ids))  # spares first, then the pool
+                available = allocator.num_available_blocks
                 pool.copy(allocator.append(table, ids))
+                assert available - allocator.num_available_blocks == need
                 pool.compute(table)
                 model[table.table_id] += ids
             elif op in ("truncate", "truncate_append"):
@@ -313,8 +330,29 @@ def test_randomized_operations_keep_invariants_and_contents() -> None:
                     pool.copy(allocator.append(table, ids))
                     pool.compute(table)
                     model[table.table_id] += ids
+            elif op == "reserve":
+                target = table.num_tokens + rng.randrange(0, 14)
+                allocator.reserve(table, target)
+                assert table.capacity >= target
+                assert allocator.blocks_needed_to_append(table, target - table.num_tokens) == 0
+                if rng.random() < 0.6:  # a turn that generates into its reservation: the pool is not touched
+                    available = allocator.num_available_blocks
+                    while table.num_tokens < target:
+                        ids = tokens(min(rng.randrange(1, 4), target - table.num_tokens))
+                        pool.copy(allocator.append(table, ids))
+                        pool.compute(table)
+                        model[table.table_id] += ids
+                        num_reserved_appends += 1
+                    assert allocator.num_available_blocks == available
+            elif op == "trim":
+                target = table.num_tokens + rng.randrange(0, 8)
+                spares = list(table.spare_block_ids)
+                allocator.trim(table, target)
+                kept = min(len(spares), blocks_to_append(allocator, table, target - table.num_tokens))
+                assert list(table.spare_block_ids) == spares[:kept]  # given back last first
             elif op == "fork":
                 child = allocator.fork(table)
+                assert list(child.spare_block_ids) == []
                 tables.append(child)
                 model[child.table_id] = list(model[table.table_id])
             elif op == "free":
@@ -332,7 +370,8 @@ def test_randomized_operations_keep_invariants_and_contents() -> None:
             pool.check(table)
     stats = allocator.stats()
     assert num_failures > 0 and stats.num_hit_tokens > 0 and stats.num_copied_blocks > 0
-    assert stats.num_evicted_blocks > 0
+    assert stats.num_evicted_blocks > 0 and num_reserved_appends > 0
+    assert stats.num_spare_blocks == sum(len(t.spare_block_ids) for t in tables)
     for table in tables:
         allocator.free(table)
     allocator.verify()
@@ -413,3 +452,4 @@ def test_free_without_keeping_cached_forgets_unshared_blocks() -> None:
     assert allocator.num_cached_blocks == 0  # its own block 2 is gone, not cached
     assert allocator.cached_prefix_len([*range(8), 20, 21, 22, 23]) == 8  # the shared prefix stays
     allocator.verify()
+
