@@ -16,6 +16,7 @@ from chatd.kv.blocks import (
     BlockCopy,
     BlockPoolExhausted,
     BlockTable,
+    block_runs,
     chain_hash,
     flatten_copies,
     root_hash,
@@ -453,3 +454,234 @@ def test_free_without_keeping_cached_forgets_unshared_blocks() -> None:
     assert allocator.cached_prefix_len([*range(8), 20, 21, 22, 23]) == 8  # the shared prefix stays
     allocator.verify()
 
+
+# ---------------------------------------------------------------- spares (reservations) and contiguity
+
+
+def test_reserve_then_append_takes_the_spares_in_order_and_nothing_from_the_pool() -> None:
+    allocator, pool = new(num_blocks=32)
+    table = allocator.allocate(list(range(6))).table  # 2 blocks, the second half full
+    pool.compute(table)
+    allocator.reserve(table, 6 + 20)  # 7 blocks in all
+    spares = list(table.spare_block_ids)
+    assert len(spares) == 5 and table.capacity == 28
+    stats = allocator.stats()
+    assert (stats.num_spare_blocks, stats.num_used_blocks, stats.num_free_blocks) == (5, 7, 25)
+    assert allocator.blocks_needed_to_append(table, 20) == 0
+    assert allocator.blocks_needed_to_append(table, 23) == 1  # past the capacity
+    free = allocator.num_free_blocks
+    ids = list(range(6))
+    for token in range(100, 120):  # a turn generating one token at a time
+        assert allocator.append(table, [token]) == []
+        ids.append(token)
+        pool.compute(table)
+        assert allocator.num_free_blocks == free
+    assert list(table.block_ids[2:]) == spares and list(table.spare_block_ids) == []
+    assert block_runs(table.block_ids) == [(0, 7)]  # a fresh pool: one run, one view
+    assert list(table.token_ids) == ids
+    pool.check(table)
+    allocator.verify()
+    allocator.append(table, [1, 2, 3])  # past the reservation: the pool again, continuing the run
+    assert block_runs(table.block_ids) == [(0, 8)] and allocator.num_free_blocks == free - 1
+    allocator.verify()
+
+
+def test_reserve_counts_a_copy_on_write_and_the_copy_takes_a_spare() -> None:
+    allocator, pool = new(num_blocks=32)
+    parent = allocator.allocate(list(range(6))).table
+    pool.compute(parent)
+    child = allocator.fork(parent)  # shares the partially filled second block
+    assert list(child.spare_block_ids) == []
+    allocator.reserve(child, 12)  # 6 more positions: a copy of block 1 and one new block
+    spares = list(child.spare_block_ids)
+    assert len(spares) == 2 and allocator.blocks_needed_to_append(child, 6) == 0
+    free = allocator.num_free_blocks
+    copies = allocator.append(child, [50, 51, 52, 53, 54, 55])
+    assert copies == [BlockCopy(parent.block_ids[1], spares[0])]
+    assert list(child.block_ids) == [parent.block_ids[0], *spares]
+    assert allocator.num_free_blocks == free
+    pool.copy(copies)
+    pool.compute(child)
+    pool.check(parent)
+    pool.check(child)
+    allocator.verify()
+    # The same for a truncate into a shared block: its copy takes a spare too.
+    other = allocator.fork(parent)
+    allocator.reserve(other, 8)  # room for 2 more in its last block, but that block is shared: 1 spare
+    spare = other.spare_block_ids[0]
+    free = allocator.num_free_blocks
+    copies = allocator.truncate(other, 5)
+    assert copies == [BlockCopy(parent.block_ids[1], spare)] and list(other.spare_block_ids) == []
+    assert allocator.num_free_blocks == free
+    pool.copy(copies)
+    allocator.append(other, [70, 71])
+    pool.compute(other)
+    pool.check(parent)
+    pool.check(other)
+    allocator.verify()
+
+
+def test_reserve_is_atomic_and_a_no_op_when_the_capacity_suffices() -> None:
+    allocator, pool = new(num_blocks=8)
+    old = allocator.allocate(list(range(50, 58)))  # 2 blocks, cached once freed
+    pool.compute(old.table)
+    allocator.free(old.table)
+    table = allocator.allocate(list(range(6))).table  # 2 blocks; 4 free and 2 cached left
+    pool.compute(table)
+    before = _state(allocator, [table])
+    with pytest.raises(BlockPoolExhausted) as exc:
+        allocator.reserve(table, 6 + 4 * 6 + 3)  # 7 more blocks, 6 available
+    assert (exc.value.num_needed, exc.value.num_available) == (7, 6)
+    assert _state(allocator, [table]) == before
+    for target in (0, 3, 6, 8):  # the last block has room for 2 more
+        allocator.reserve(table, target)
+        assert _state(allocator, [table]) == before
+    allocator.reserve(table, 8 + 4 * 5)  # 5 spares: the 4 free blocks, then the older cached one
+    assert len(table.spare_block_ids) == 5 and table.capacity == 28
+    assert allocator.stats().num_evicted_blocks == 1
+    assert allocator.cached_prefix_len(list(range(50, 58))) == 4  # the tail was evicted, the head kept
+    after = _state(allocator, [table])
+    allocator.reserve(table, 27)
+    allocator.reserve(table, 28)
+    assert _state(allocator, [table]) == after
+    allocator.verify()
+
+
+def test_trim_gives_spares_back_and_everything_freed_leaves_the_pool_whole() -> None:
+    allocator, pool = new(num_blocks=40)
+    shared = allocator.allocate(list(range(10))).table
+    pool.compute(shared)
+    mine = allocator.allocate([*range(8), 20, 21]).table  # shares two full blocks with `shared`
+    pool.compute(mine)
+    fork = allocator.fork(shared)
+    gone = allocator.allocate(list(range(30, 42))).table
+    pool.compute(gone)
+    allocator.free(gone)  # 3 cached blocks
+    allocator.reserve(mine, 10 + 4 * 6)
+    allocator.reserve(fork, 20)  # a copy of the shared block 2, and 2 more
+    spares = list(mine.spare_block_ids)
+    assert len(spares) == 6 and len(fork.spare_block_ids) == 3
+    allocator.trim(mine, 10 + 2 + 4 * 3 + 1)  # 2 more fit in its last block; 13 more need 4 spares
+    assert list(mine.spare_block_ids) == spares[:4]
+    allocator.trim(mine, 13)
+    assert list(mine.spare_block_ids) == spares[:1]
+    allocator.trim(fork, 13)  # the copy and one block
+    assert len(fork.spare_block_ids) == 2
+    allocator.verify()
+    stats = allocator.stats()
+    assert stats.num_spare_blocks == 3 and stats.num_cached_blocks == 3 and stats.num_shared_blocks == 3
+    allocator.trim(mine, 0)
+    assert list(mine.spare_block_ids) == []
+    for table in (shared, mine, fork):  # fork frees its spares with its blocks
+        allocator.free(table)
+    allocator.verify()
+    stats = allocator.stats()
+    assert stats.num_used_blocks == 0 and stats.num_spare_blocks == 0
+    assert stats.num_free_blocks + stats.num_cached_blocks == 40
+    allocator.evict_cached()
+    assert allocator.num_free_blocks == 40
+
+
+def test_truncate_keeps_capacity_as_spares_caches_registered_blocks_and_leaves_shared_ones() -> None:
+    allocator, pool = new(num_blocks=32)
+    other = allocator.allocate(list(range(8))).table  # 2 registered blocks
+    pool.compute(other)
+    ids = [*range(8), *range(40, 50)]  # 18 tokens: 2 shared blocks, 2 own full blocks, 1 own partial
+    table = allocator.allocate(ids).table
+    pool.compute(table)
+    allocator.reserve(table, 30)
+    blocks, spares = list(table.block_ids), list(table.spare_block_ids)
+    assert len(blocks) == 5 and len(spares) == 3
+    assert [allocator.block_hash(b) is not None for b in blocks] == [True] * 4 + [False]
+    copies = allocator.truncate(table, 4)  # keeps block 0; block 1 is other's too; 2 and 3 are registered
+    assert copies == []
+    assert list(table.block_ids) == blocks[:1]
+    assert list(table.spare_block_ids) == [blocks[4], *spares]  # the private unregistered one, in order
+    assert list(other.block_ids) == blocks[:2] and allocator.ref_count(blocks[1]) == 1
+    assert allocator.num_cached_blocks == 2  # blocks 2 and 3 are findable
+    assert allocator.cached_prefix_len(ids) == 16
+    available = allocator.num_available_blocks
+    new_ids = [*range(4), 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75]  # 20 positions
+    allocator.append(table, new_ids[4:])
+    assert allocator.num_available_blocks == available  # all from the spares
+    assert list(table.block_ids) == [blocks[0], blocks[4], *spares]
+    pool.compute(table)
+    pool.check(table)
+    pool.check(other)
+    assert allocator.cached_prefix_len(ids) == 16  # the cached blocks were not touched
+    allocator.verify()
+
+
+def test_truncate_of_a_private_uncommitted_table_keeps_its_whole_capacity() -> None:
+    allocator, _ = new(num_blocks=16)
+    table = allocator.allocate(list(range(10))).table  # not committed: nothing registered
+    allocator.reserve(table, 20)
+    held = [*table.block_ids, *table.spare_block_ids]
+    free = allocator.num_free_blocks
+    assert allocator.truncate(table, 2) == []
+    assert [*table.block_ids, *table.spare_block_ids] == held
+    assert table.capacity == 20 and allocator.num_free_blocks == free
+    allocator.verify()
+    allocator.truncate(table, 0)
+    assert list(table.block_ids) == [] and list(table.spare_block_ids) == held
+    allocator.verify()
+
+
+def test_tables_get_runs_of_consecutive_blocks() -> None:
+    allocator, _ = new(num_blocks=64)
+    a = allocator.allocate([]).table
+    b = allocator.allocate([]).table
+    allocator.reserve(a, 40)
+    allocator.reserve(b, 40)
+    assert block_runs(a.spare_block_ids) == [(0, 10)]
+    assert block_runs(b.spare_block_ids) == [(10, 10)]
+    allocator.reserve(a, 60)  # cannot continue (b follows): the next free run of 5
+    assert block_runs(a.spare_block_ids) == [(0, 10), (20, 5)]
+    assert not set(a.spare_block_ids) & set(b.spare_block_ids)
+    allocator.free(b)
+    c = allocator.allocate([]).table
+    allocator.reserve(c, 40)
+    assert block_runs(c.spare_block_ids) == [(10, 10)]  # b's old run
+    allocator.append(a, list(range(60)))
+    assert block_runs(a.block_ids) == [(0, 10), (20, 5)]
+    # A new prompt continues the run of its cached prefix when the blocks after it are free.
+    allocator.commit(a)
+    d = allocator.allocate([*range(8), 99, 98, 97, 96, 95]).table
+    assert block_runs(d.block_ids) == [(0, 2), (25, 2)]
+    allocator.verify()
+
+
+def test_fragmented_pool_continues_the_run_then_takes_the_longest_runs_then_evicts() -> None:
+    allocator, pool = new(num_blocks=16)
+    table = allocator.allocate(list(range(8))).table  # blocks 0-1
+    holes = [allocator.allocate(list(range(n))).table for n in (4, 12, 4, 8, 4, 16)]
+    assert [list(h.block_ids) for h in holes] == [[2], [3, 4, 5], [6], [7, 8], [9], [10, 11, 12, 13]]
+    cached = holes[2]
+    pool.compute(cached)  # block 6 is registered, and cached once freed
+    for hole in holes[:5]:
+        allocator.free(hole)
+    assert allocator.num_free_blocks == 9 and allocator.num_cached_blocks == 1  # free: 2-5, 7-9, 14-15
+    allocator.reserve(table, 8 + 4 * 6)  # no free run of 6: continue with 2-5, then 2 of the longest (7-9)
+    assert list(table.spare_block_ids) == [2, 3, 4, 5, 7, 8]
+    allocator.reserve(table, 8 + 4 * 10)  # 9 continues the run, then 14-15, then the cached block
+    assert list(table.spare_block_ids)[6:] == [9, 14, 15, 6]
+    assert allocator.stats().num_evicted_blocks == 1
+    allocator.verify()
+
+
+def test_block_runs() -> None:
+    assert block_runs([4, 5, 6, 9, 10, 2]) == [(4, 3), (9, 2), (2, 1)]
+    assert block_runs([]) == []
+    assert block_runs([7]) == [(7, 1)]
+    assert block_runs(range(3, 8)) == [(3, 5)]
+    assert block_runs([5, 4, 3]) == [(5, 1), (4, 1), (3, 1)]
+
+
+def test_verify_catches_a_spare_held_twice() -> None:
+    allocator, _ = new()
+    a = allocator.allocate([1, 2]).table
+    b = allocator.allocate([3, 4]).table
+    allocator.reserve(a, 8)
+    b._spare_ids.append(a.spare_block_ids[0])  # corrupt on purpose
+    with pytest.raises(AssertionError):
+        allocator.verify()
