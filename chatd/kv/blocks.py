@@ -557,7 +557,8 @@ class BlockAllocator:
         last = table._block_ids[keep - 1] if num_tokens % size else None
         cow = last is not None and self._ref_counts[last] > 1
         if cow and not to_spare and not table._spare_ids:
-            to_cache = sum(1 for b in released if self._ref_counts[b] == 1)  # all registered here
+            # No spare for the copy: the private blocks released here are all registered and go cached.
+            to_cache = sum(1 for b in released if self._ref_counts[b] == 1)
             self._require(1, self.num_available_blocks + to_cache)
         kept = set(to_spare)
         for block_id in reversed(released):
