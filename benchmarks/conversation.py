@@ -163,10 +163,10 @@ async def _shared_prefix(bench: Bench, corpus: Corpus) -> Figure:
         "shared_prefix", "Sessions with one shared system prompt",
         f"N sessions are created with the same ~{bench.plan.shared_prefix_tokens}-token system prompt and each "
         "sends one short message, one after another. The first session prefills the system prompt; every "
-        "later one starts from the resident prefix of an earlier session (copied on the engine thread, "
-        "[cache] share_prefixes). Reported: the later sessions' cached tokens and median TTFT against the "
-        "first session's, and the device KV bytes of all N against one session's (a copy is not shared "
-        "memory yet: about N times).",
+        "later one references the blocks of the KV pool that hold it (found by the hash of their tokens, "
+        "[cache] share_prefixes) and computes only its own message. Reported: the later sessions' cached "
+        "tokens and median TTFT against the first session's, and the device KV bytes (pool blocks held, each "
+        "counted once) of all N against one session's.",
         columns=[
             Column("sessions", "sessions"), Column("prompt_tokens", "prompt tokens"),
             Column("first_ttft_ms", "first TTFT ms", "{:.0f}"), Column("later_ttft_ms", "later TTFT ms (median)",
@@ -180,7 +180,7 @@ async def _shared_prefix(bench: Bench, corpus: Corpus) -> Figure:
     for count in bench.plan.shared_prefix_sessions:
         settings = config.load(env={}, overrides={
             "data_dir": str(bench.subdir(f"shared-{count}")), "model": bench.model_settings(),
-            "cache": {"persist_idle_s": 0, "idle_evict_s": 0, "device_budget_mb": 16384}, "log_level": "warning"})
+            "cache": {"persist_idle_s": 0, "idle_evict_s": 0, "device_budget_mb": 6144}, "log_level": "warning"})
         async with Chatd.open(settings, runner=runner, background=False) as core:
             results = []
             for index in range(count):

@@ -62,9 +62,9 @@ def restore_file(bench: Bench, runner: ModelRunner, fingerprint: ModelFingerprin
     cache = runner.new_cache()
     cache.reserve(len(ids))
     with timed(bench) as t:
-        targets = restore_targets(cache, len(ids), fingerprint)
+        targets = restore_targets(cache, ids, fingerprint)
         read_snapshot_file(path, fingerprint, ids, targets)
-        finish_restore(cache, targets, len(ids))
+        finish_restore(cache, targets)
     return cache, t[0]
 
 

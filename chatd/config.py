@@ -88,11 +88,12 @@ class CacheSettings(_Section):
     snapshot_dtype: Literal["native", "bfloat16"] = "native"
     """``native`` stores the cache bit-exactly; ``bfloat16`` halves fp32 snapshots (lossy)."""
     share_prefixes: bool = True
-    """A session's first turn (or one that finds no cache of its own) starts from the longest prefix
-    another resident session holds, copied instead of recomputed. Off: no session's cache serves another
+    """A session's first turn (or one that finds no cache of its own) starts from the longest prefix of its
+    prompt already in the KV pool, referencing those blocks instead of recomputing them: blocks other
+    sessions hold, or released ones not yet reused. Off: no cache starts from blocks another computed
     (``cached_tokens`` and timing then say nothing about what other sessions sent)."""
     share_min_tokens: int = Field(default=16, ge=1)
-    """Shared prefixes shorter than this are recomputed instead (not worth a copy)."""
+    """Shared prefixes shorter than this are recomputed instead."""
     restore_min_tokens: int = Field(default=64, ge=0)
     """Histories shorter than this are recomputed instead of restored (cheaper than a file read)."""
 

@@ -116,18 +116,23 @@ class Chatd:
         phase("opening store")
         settings.data_path.mkdir(parents=True, exist_ok=True)
         await db.upgrade_async(settings.store_url)
+        budget_bytes = int(settings.cache.device_budget_mb * 1024 * 1024)
         if runner is None:
             phase("loading model")
             runner = await asyncio.to_thread(ModelRunner.load, settings.model, settings.data_path)
+            runner.configure_pool(budget_bytes)
             phase("warming up")
             log.info("warming up the engine")
             warm_s = await asyncio.to_thread(runner.warm_up, settings.model.max_batch_size)
             log.info("engine warm in %.1f s", warm_s)
-        elif settings.model.max_context and settings.model.max_context < runner.info.max_context:
-            # A shared, already loaded model (tests) still honours this configuration's context cap.
-            runner = ModelRunner(runner.model, runner.tokenizer,
-                                 dataclasses.replace(runner.info, max_context=settings.model.max_context),
-                                 runner.forward)
+        else:
+            # A shared, already loaded model (tests): this server gets its own KV pool, and still honours its
+            # configuration's context cap.
+            info = runner.info
+            if settings.model.max_context and settings.model.max_context < info.max_context:
+                info = dataclasses.replace(info, max_context=settings.model.max_context)
+            runner = ModelRunner(runner.model, runner.tokenizer, info, runner.forward)
+            runner.configure_pool(budget_bytes)
         engine = db.create_engine(settings.store_url, echo=settings.store.echo)
         repo = Repo(db.make_sessionmaker(engine))
         counters = Counters()

@@ -153,12 +153,33 @@ class TierUse:
 
 
 @dataclass(frozen=True)
+class PoolFacts:
+    """The device's paged KV pool: blocks by state, what sharing saves, how often prompts hit it."""
+
+    block_size: int
+    num_blocks: int
+    used_blocks: int
+    """Blocks held by sessions (reserved room included)."""
+    cached_blocks: int
+    """Blocks nobody holds that stay findable by their tokens until the room is needed."""
+    shared_blocks: int
+    """Used blocks held by more than one session."""
+    unique_bytes: int
+    """Bytes of the used blocks, each counted once."""
+    logical_bytes: int
+    """Bytes the sessions' tokens would take without sharing."""
+    hit_ratio: float
+    """Of the prompt tokens looked up in the pool when a cache starts, the share found there."""
+
+
+@dataclass(frozen=True)
 class Stats:
     """chatd's state and totals at one moment. Nothing in it changes after it is built."""
 
     model: ModelFacts
     tiers: tuple[TierUse, ...]
     """The tiers that have a budget, device first, then disk."""
+    pool: PoolFacts
     num_sessions: int | None
     """Stored sessions; None when these stats were built without reading the store."""
     num_generating: int
@@ -194,5 +215,10 @@ def build_stats(*, counters: Counters, tiers: Tiers, kv: KVManager, snapshots: S
             TierUse("disk", snapshots.disk_budget_bytes, snapshots.disk_bytes, counts["disk"]))
     model = ModelFacts(name=info.name, dtype=info.dtype_name, device=str(info.device),
                        max_context=info.max_context, kv_bytes_per_token=info.bytes_per_token)
-    return Stats(model=model, tiers=uses, num_sessions=num_sessions, num_generating=num_generating,
+    blocks = kv.pool.stats()
+    pool = PoolFacts(block_size=blocks.block_size, num_blocks=blocks.num_blocks, used_blocks=blocks.num_used_blocks,
+                     cached_blocks=blocks.num_cached_blocks, shared_blocks=blocks.num_shared_blocks,
+                     unique_bytes=blocks.num_used_blocks * kv.pool.bytes_per_block,
+                     logical_bytes=blocks.num_logical_tokens * kv.pool.bytes_per_token, hit_ratio=blocks.hit_ratio)
+    return Stats(model=model, tiers=uses, pool=pool, num_sessions=num_sessions, num_generating=num_generating,
                  counters=counters.copy())

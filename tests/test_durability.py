@@ -113,8 +113,9 @@ async def test_a_snapshot_folder_deleted_at_runtime_is_recreated(make_settings: 
 async def test_disk_full_keeps_serving_and_loses_nothing(make_settings: SettingsFactory, tiny_dir: Path,
                                                          tiny_runner: ModelRunner, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # No prefix sharing: the evicted session's released blocks must not be found again by their tokens.
     settings = make_settings(tiny_dir, cache={"device_budget_mb": budget_mb(tiny_runner, 120),
-                                              "restore_min_tokens": 0})
+                                              "restore_min_tokens": 0, "share_prefixes": False})
     twin_settings = make_settings(tiny_dir).model_copy(update={"data_dir": str(tmp_path / "twin")})
     async with Chatd.open(settings, runner=tiny_runner, background=False) as core, \
             Chatd.open(twin_settings, runner=tiny_runner, background=False) as twin:
@@ -212,8 +213,9 @@ async def test_corrupt_or_foreign_snapshots_are_recomputed(make_settings: Settin
 
 async def test_short_histories_are_recomputed_not_restored(make_settings: SettingsFactory, tiny_dir: Path,
                                                            tiny_runner: ModelRunner) -> None:
-    async with Chatd.open(make_settings(tiny_dir, cache={"restore_min_tokens": 10_000}), runner=tiny_runner,
-                          background=False) as core:
+    # No prefix sharing: the evicted session's released blocks must not be found again by their tokens.
+    async with Chatd.open(make_settings(tiny_dir, cache={"restore_min_tokens": 10_000, "share_prefixes": False}),
+                          runner=tiny_runner, background=False) as core:
         sid = (await core.sessions.create()).session_id
         await turn(core, sid, "short", 1)
         assert await core.sessions.evict(sid)
@@ -244,8 +246,9 @@ async def test_idle_sessions_are_persisted_then_evicted(make_settings: SettingsF
 
 async def test_disk_budget_deletes_the_oldest_snapshots(make_settings: SettingsFactory, tiny_dir: Path,
                                                         tiny_runner: ModelRunner) -> None:
-    async with Chatd.open(make_settings(tiny_dir, cache={"restore_min_tokens": 0}), runner=tiny_runner,
-                          background=False) as core:
+    # No prefix sharing: the evicted session's released blocks must not be found again by their tokens.
+    async with Chatd.open(make_settings(tiny_dir, cache={"restore_min_tokens": 0, "share_prefixes": False}),
+                          runner=tiny_runner, background=False) as core:
         ids = [(await core.sessions.create()).session_id for _ in range(4)]
         for i, sid in enumerate(ids):
             await turn(core, sid, f"session {i} " * 5, i)

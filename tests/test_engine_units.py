@@ -1,4 +1,4 @@
-"""Engine pieces: sampling, the growable cache, batched decode, reconcile and eviction policy."""
+"""Engine pieces: sampling, the paged session cache, batched decode, reconcile and eviction policy."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from chatd.config import GenerationSettings, ModelSettings
-from chatd.engine.kvcache import SessionKV
+from chatd.engine.kvcache import KVPool, any_layer_kv, appending
 from chatd.engine.runner import ModelRunner
 from chatd.engine.sampling import SamplingParams, make_generator, sample
 from chatd.kv.manager import common_prefix_len, reusable_prefix
@@ -37,22 +37,49 @@ def test_params_resolve_overrides_defaults() -> None:
     assert p.greedy
 
 
-def test_growable_cache_reserve_truncate_and_bytes() -> None:
-    cache = SessionKV(2, 3, 4, torch.float32, torch.device("cpu"))
-    assert cache.num_bytes == 0
-    cache.reserve(10)
-    assert cache.capacity == 10 and cache.num_bytes == 10 * cache.bytes_per_token() == 10 * 2 * 2 * 3 * 4 * 4
-    k = torch.randn(1, 3, 6, 4)
-    for layer in cache.growable_layers:
-        layer.update(k, -k)
-    assert cache.length == 6
+def test_session_cache_reserve_write_truncate_and_bytes() -> None:
+    pool = KVPool(2, 3, 4, torch.float32, "cpu", num_blocks=8, block_size=4)
+    cache = pool.session()
+    assert cache.num_bytes == 0 and cache.length == 0
+    cache.reserve(10)  # 3 blocks of 4
+    assert cache.capacity == 12 and cache.num_bytes == 12 * cache.bytes_per_token() == 12 * 2 * 2 * 3 * 4 * 4
+    assert pool.allocator.num_free_blocks == 5
+    k = torch.randn(6, 3, 4)
+    with appending([cache], [list(range(6))]) as step:
+        for layer in range(2):
+            pool.write(layer, step.slots, k, -k)
+    assert cache.length == 6 and pool.allocator.num_free_blocks == 5  # written into the reserved room
     cache.truncate(2)
-    assert cache.length == 2
-    assert torch.equal(cache.growable_layers[0].keys, k[:, :, :2])
-    longer = torch.randn(1, 3, 9, 4)
-    cache.growable_layers[0].update(longer, longer)  # 2 + 9 > 10: the buffer grows, keeping its prefix
-    assert cache.growable_layers[0].capacity >= 11 and cache.growable_layers[0].length == 11
-    assert torch.equal(cache.growable_layers[0].keys[:, :, :2], k[:, :, :2])
+    assert cache.length == 2 and cache.capacity == 12
+    keys, values = any_layer_kv(cache, 0)
+    assert torch.equal(keys, k[:2].transpose(0, 1)) and torch.equal(values, -k[:2].transpose(0, 1))
+    longer = torch.randn(11, 3, 4)  # 2 + 11 > 12: a fourth block comes from the pool, the prefix stays
+    with appending([cache], [list(range(11))]) as step:
+        for layer in range(2):
+            pool.write(layer, step.slots, longer, longer)
+    assert cache.length == 13 and cache.capacity == 16
+    keys, _ = any_layer_kv(cache, 1)
+    assert torch.equal(keys[:, :2], k[:2].transpose(0, 1)) and torch.equal(keys[:, 2:], longer.transpose(0, 1))
+    cache.free()
+    assert pool.allocator.num_free_blocks + pool.allocator.num_cached_blocks == 8 and cache.length == 0
+
+
+def test_a_failed_forward_pass_leaves_the_cache_as_it_was() -> None:
+    pool = KVPool(1, 1, 2, torch.float32, "cpu", num_blocks=4, block_size=2)
+    cache = pool.session()
+    with appending([cache], [[1, 2, 3]]) as step:
+        pool.write(0, step.slots, torch.ones(3, 1, 2), torch.ones(3, 1, 2))
+    try:
+        with appending([cache], [[4, 5]]):
+            raise RuntimeError("forward failed")
+    except RuntimeError:
+        pass
+    assert cache.length == 3 and list(cache.token_ids) == [1, 2, 3]
+    with appending([cache], [[4]]) as step:  # the next pass starts where the last good one ended
+        assert step.starts == [3]
+        pool.write(0, step.slots, torch.zeros(1, 1, 2), torch.zeros(1, 1, 2))
+    assert cache.length == 4
+    pool.allocator.verify()
 
 
 def test_batched_decode_matches_one_at_a_time(tiny_runner: ModelRunner) -> None:
@@ -85,7 +112,7 @@ def test_prefill_in_chunks_equals_one_pass(tiny_runner: ModelRunner) -> None:
     for start in range(0, len(ids), 64):
         b = tiny_runner.prefill(chunked, ids[start:start + 64])
     assert torch.allclose(a, b, atol=1e-4)
-    assert torch.allclose(whole.growable_layers[1].keys, chunked.growable_layers[1].keys, atol=1e-5)
+    assert torch.allclose(any_layer_kv(whole, 1)[0], any_layer_kv(chunked, 1)[0], atol=1e-5)
 
 
 def _packed_step_equals_separate_runs(runner: ModelRunner, kv_atol: float = 1e-5) -> None:
@@ -107,9 +134,9 @@ def _packed_step_equals_separate_runs(runner: ModelRunner, kv_atol: float = 1e-5
     assert packed.shape == alone.shape and torch.allclose(packed, alone, atol=1e-4)
     for a, b in zip(alone_caches, packed_caches, strict=True):
         assert a.length == b.length
-        for layer in (0, len(a.growable_layers) - 1):
-            assert torch.allclose(a.growable_layers[layer].keys, b.growable_layers[layer].keys, atol=kv_atol)
-            assert torch.allclose(a.growable_layers[layer].values, b.growable_layers[layer].values, atol=kv_atol)
+        for layer in (0, len(a.layers) - 1):
+            (ak, av), (bk, bv) = any_layer_kv(a, layer), any_layer_kv(b, layer)
+            assert torch.allclose(ak, bk, atol=kv_atol) and torch.allclose(av, bv, atol=kv_atol)
 
 
 def test_packed_step_equals_separate_runs(tiny_runner: ModelRunner) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from chatd.kv.blocks import (
+from chatd.engine.blocks import (
     BlockAllocator,
     BlockCopy,
     BlockPoolExhausted,

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from chatd.engine.blocks import BlockAllocator, flatten_copies
 from chatd.engine.paged import (
     PagedKVPool,
     block_table_tensor,
@@ -20,7 +21,6 @@ from chatd.engine.paged import (
     slot_ids_for,
     slot_mapping,
 )
-from chatd.kv.blocks import BlockAllocator, flatten_copies
 
 LAYERS, BLOCK, KV_HEADS, HEADS, DIM = 2, 4, 3, 9, 8
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

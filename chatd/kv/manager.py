@@ -98,8 +98,10 @@ class KVManager:
         self.settings = settings
         self.snapshots = snapshots
         self.clock = clock
-        self.budget_bytes = int(settings.device_budget_mb * 1024 * 1024)
-        self.bytes_per_token = info.bytes_per_token
+        # The engine's KV pool is the budget: its blocks are all the device memory sessions may hold.
+        self.pool = worker.runner.pool
+        self.budget_bytes = self.pool.num_bytes
+        self.bytes_per_token = self.pool.bytes_per_token
         self.counters = counters if counters is not None else Counters()
         self._entries: dict[str, _Entry] = {}
         self._room = asyncio.Condition()
@@ -111,7 +113,8 @@ class KVManager:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(e.cache.num_bytes for e in self._entries.values())
+        """Bytes of the pool's blocks that sessions hold (a block shared by several counts once)."""
+        return self.pool.used_bytes
 
     def resident_ids(self) -> list[str]:
         return list(self._entries)
@@ -138,7 +141,7 @@ class KVManager:
                 f"holds {self.max_tokens_for_budget()}")
 
     def _records(self) -> list[policy.CacheRecord]:
-        return [policy.CacheRecord(e.session_id, e.cache.num_bytes, e.last_used,
+        return [policy.CacheRecord(e.session_id, e.cache.private_bytes, e.last_used,
                                    busy=e.busy or e.io is not None, persisted=e.persisted or e.ephemeral)
                 for e in self._entries.values()]
 
@@ -165,19 +168,16 @@ class KVManager:
                 entry.busy = True
                 try:
                     reuse = reusable_prefix(entry.cached_ids, prompt)
-                    await self._make_room(capacity * self.bytes_per_token - entry.cache.num_bytes,
-                                          protect={session_id})
                     cache = entry.cache
-
-                    def fit() -> None:
-                        cache.truncate(reuse)
-                        cache.reserve(capacity)
-
-                    await self.worker.call(fit)
+                    # Cut first: blocks past the reused prefix that another session also holds leave this
+                    # cache without coming free, so the room still needed is known only afterwards.
+                    await self.worker.call(lambda: cache.truncate(reuse))
+                    del entry.cached_ids[reuse:]
+                    await self._make_room(capacity * self.bytes_per_token - cache.num_bytes, protect={session_id})
+                    await self.worker.call(lambda: cache.reserve(capacity))
                 except BaseException:
                     entry.busy = False
                     raise
-                del entry.cached_ids[reuse:]
                 restored_ms, entry.restored_ms = entry.restored_ms, None
                 if restored_ms is not None and reuse:
                     return Lease(session_id, cache, prompt, reuse, "disk", restored_ms)
@@ -192,29 +192,40 @@ class KVManager:
             if restored is not None:
                 return restored
         # Room first, by plain LRU (a would-be donor is not protected: sharing never changes who is
-        # evicted), then pick the donor among the sessions still resident. Decide and hand the copy to the
-        # engine thread with no await in between: the engine runs calls in order, so no eviction,
-        # truncation or forward pass queued later can touch the donor's prefix first.
+        # evicted). Then the cache starts from the longest prefix already in the pool: full blocks found
+        # by hash (computed by any session, still held or released and not yet reused), or the blocks of
+        # the resident session sharing the longest prefix (exact to the token; its partly filled last
+        # block is copied). Decide and hand the work to the engine thread with no await in between: the
+        # engine runs calls in order, so no eviction, truncation or forward pass queued later can touch the
+        # donor's prefix first.
         await self._make_room(capacity * self.bytes_per_token, protect=())
         donor = self._best_donor(session_id, prompt)
-        shared = 0
-        if donor is not None:
-            source = self._entries[donor].cache
-            wanted = reusable_prefix(self._entries[donor].cached_ids, prompt)
+        source = self._entries[donor].cache if donor is not None else None
+        wanted = reusable_prefix(self._entries[donor].cached_ids, prompt) if donor is not None else 0
+        share = self.settings.share_prefixes
 
-            def clone() -> tuple[SessionKV, int]:
+        def start() -> tuple[SessionKV, int]:
+            cache = self.worker.runner.new_cache()
+            try:
+                length = cache.adopt_cached_prefix(prompt, max(len(prompt) - 1, 0)) if share else 0
                 # A turn of the donor that started just before may have queued a truncation ahead of this
-                # call (its cached_ids shrink only when that returns): copy what the donor still holds.
-                cache = _new_reserved(self.worker, capacity)
-                length = min(wanted, source.length)
-                cache.copy_prefix(source, length)
-                return cache, length
+                # call (its cached_ids shrink only when that returns): share what the donor still holds.
+                if source is not None and min(wanted, source.length) > length:
+                    length = min(wanted, source.length)
+                    cache.share_prefix(source, length)
+                if 0 < length < self.settings.share_min_tokens:
+                    cache.truncate(0)
+                    length = 0
+                cache.reserve(capacity)
+            except BaseException:
+                cache.free()
+                raise
+            return cache, length
 
-            cache, shared = await self.worker.call(clone)
+        cache, shared = await self.worker.call(start)
+        if shared:
             self.counters.num_prefix_shares += 1
             self.counters.num_prefix_shared_tokens += shared
-        else:
-            cache = await self.worker.call(lambda: _new_reserved(self.worker, capacity))
         self._entries[session_id] = _Entry(session_id, cache, list(prompt[:shared]), self.clock(), busy=True,
                                            ephemeral=ephemeral)
         return Lease(session_id, cache, prompt, shared, "device" if shared else "none", None)
@@ -311,11 +322,13 @@ class KVManager:
         self._forget(entry)
         self.counters.count_eviction(entry.session_id, reason)
 
-    def _forget(self, entry: _Entry) -> None:
+    def _forget(self, entry: _Entry, *, forget_blocks: bool = False) -> None:
+        """Drop the entry and free its cache; ``forget_blocks`` (a deleted session) also unregisters the
+        blocks nobody else holds, instead of keeping them findable by hash."""
         if self._entries.get(entry.session_id) is entry:
             del self._entries[entry.session_id]
         cache = entry.cache
-        self._tasks.spawn(self.worker.call(cache.free))
+        self._tasks.spawn(self.worker.call(lambda: cache.free(forget=forget_blocks)))
 
     # ------------------------------------------------------------------ snapshots
 
@@ -388,19 +401,24 @@ class KVManager:
         cache = await self.worker.call(lambda: _new_reserved(self.worker, need))
         entry = _Entry(session_id, cache, [], self.clock(), busy=True)
         self._entries[session_id] = entry
-        snapshots, n = self.snapshots, len(snapshot_ids)
+        snapshots = self.snapshots
         try:
             read_started = time.monotonic()
-            targets = await self.worker.call(lambda: restore_targets(cache, n, snapshots.fingerprint))
+            targets = await self.worker.call(lambda: restore_targets(cache, snapshot_ids, snapshots.fingerprint))
             file_bytes = await snapshots.read_into(session_id, snapshot_ids, targets)
-            await self.worker.call(lambda: finish_restore(cache, targets, n))
+            await self.worker.call(lambda: finish_restore(cache, targets))
             snapshots.observe_restore(file_bytes, time.monotonic() - read_started)
         except (OSError, SnapshotError) as exc:
             log.warning("restore of session %s failed, recomputing: %s", session_id[:8], exc)
             self.counters.num_restore_failures += 1
             await self.snapshots.delete(session_id)
             entry.cached_ids = []
-            await self.worker.call(lambda: cache.truncate(0))
+
+            def empty() -> None:
+                cache.abort()
+                cache.truncate(0)
+
+            await self.worker.call(empty)
             return Lease(session_id, cache, prompt, 0, "none", None)
         await self.worker.call(lambda: cache.truncate(reuse))
         entry.cached_ids = list(snapshot_ids[:reuse])
@@ -445,7 +463,7 @@ class KVManager:
         await self._wait_io(session_id)
         entry = self._entries.get(session_id)
         if entry is not None:
-            self._forget(entry)
+            self._forget(entry, forget_blocks=True)
         if self.snapshots is not None:
             await self.snapshots.delete(session_id)
         await self._notify_room()

@@ -212,12 +212,12 @@ class SnapshotService:
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def restore_targets(cache: SessionKV, num_tokens: int, fingerprint: ModelFingerprint) -> Layers:
-    """Engine thread. Where to decode ``num_tokens`` positions: the cache's own preallocated buffers on
-    the CPU (no intermediate copy), pinned host tensors on an accelerator."""
-    if cache.device.type == "cpu":
-        return cache.fill_targets(num_tokens)
-    return allocate_targets(fingerprint, num_tokens)
+def restore_targets(cache: SessionKV, token_ids: Sequence[int], fingerprint: ModelFingerprint) -> Layers:
+    """Engine thread. Hold the (empty) cache's slots for the snapshot's ``token_ids`` and say where to decode
+    them: the pool's own blocks on the CPU when they are one run (no intermediate copy), else host
+    tensors (pinned on an accelerator)."""
+    direct = cache.restore_begin(token_ids)
+    return direct if direct is not None else allocate_targets(fingerprint, len(token_ids))
 
 
 def read_snapshot_file(path: Path, fingerprint: ModelFingerprint, token_ids: Sequence[int], targets: Layers) -> int:
@@ -227,10 +227,7 @@ def read_snapshot_file(path: Path, fingerprint: ModelFingerprint, token_ids: Seq
         return f.tell()
 
 
-def finish_restore(cache: SessionKV, targets: Layers, num_tokens: int) -> None:
-    """Engine thread. Make the decoded positions the cache's contents (uploading them from host targets)."""
-    if cache.device.type != "cpu":
-        for (dst_k, dst_v), (src_k, src_v) in zip(cache.fill_targets(num_tokens), targets, strict=True):
-            dst_k.copy_(src_k, non_blocking=True)
-            dst_v.copy_(src_v, non_blocking=True)
-    cache.set_length(num_tokens)
+def finish_restore(cache: SessionKV, targets: Layers) -> None:
+    """Engine thread. Make the decoded positions the cache's contents (writing them to the pool when they
+    were decoded elsewhere)."""
+    cache.restore_finish(targets)

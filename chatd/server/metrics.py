@@ -41,6 +41,20 @@ class _StatsCollector(Collector):
         yield budget
         yield sessions
         yield GaugeMetricFamily("chatd_active_generations", "Generations running", value=stats.num_generating)
+        pool = stats.pool
+        blocks = GaugeMetricFamily("chatd_kv_pool_blocks", "KV pool blocks by state (shared: used by several)",
+                                   labels=["state"])
+        for state, count in (("used", pool.used_blocks), ("cached", pool.cached_blocks),
+                             ("free", pool.num_blocks - pool.used_blocks - pool.cached_blocks),
+                             ("shared", pool.shared_blocks)):
+            blocks.add_metric([state], count)
+        yield blocks
+        yield GaugeMetricFamily("chatd_kv_unique_bytes", "KV bytes of used pool blocks, each counted once",
+                                value=pool.unique_bytes)
+        yield GaugeMetricFamily("chatd_kv_logical_bytes", "KV bytes the sessions would hold without sharing",
+                                value=pool.logical_bytes)
+        yield GaugeMetricFamily("chatd_kv_prefix_hit_ratio", "Share of looked-up prompt tokens found in the pool",
+                                value=pool.hit_ratio)
 
         c = stats.counters
         for name, doc, value in (
@@ -51,8 +65,8 @@ class _StatsCollector(Collector):
             ("chatd_snapshot_writes", "Snapshots written", c.num_snapshot_writes),
             ("chatd_snapshot_write_failures", "Snapshot writes that failed (disk full, I/O)",
              c.num_snapshot_write_failures),
-            ("chatd_prefix_shares", "Caches started from another session's resident prefix", c.num_prefix_shares),
-            ("chatd_prefix_shared_tokens", "Tokens copied from another session's resident prefix",
+            ("chatd_prefix_shares", "Caches started from a prefix already in the KV pool", c.num_prefix_shares),
+            ("chatd_prefix_shared_tokens", "Tokens of prefixes shared from the KV pool instead of computed",
              c.num_prefix_shared_tokens),
             ("chatd_turns", "Turns completed", c.num_turns),
             ("chatd_cached_tokens", "Prompt tokens served from a cache", c.num_cached_tokens),

@@ -1,0 +1,221 @@
+"""The paged KV pool under the engine and the KV manager: attention over runs of blocks, decoding over
+fragmented block tables, prefix sharing by reference, and the pool's accounting through eviction and
+deletion."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chatd.config import Settings
+from chatd.core import Chatd
+from chatd.engine.blocks import block_runs
+from chatd.engine.kvcache import KVPool, SessionKV, any_layer_kv, attend
+from chatd.engine.runner import ModelRunner
+from chatd.protocol import GenerationParams
+from chatd.turns import TurnResult
+from tests.support import reference_greedy
+
+SYSTEM = "You are a meticulous assistant who answers in full sentences and checks every step twice. " * 5
+
+
+def greedy(n: int) -> GenerationParams:
+    return GenerationParams(max_tokens=n, temperature=0)
+
+
+# ----------------------------------------------------------------------------- attention over runs
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new", [1, 9])
+@pytest.mark.parametrize("lengths", [[48, 16, 37], [48, 20, 5]])  # the 9-token chunk spans runs in the second
+def test_attention_over_several_runs_equals_one_contiguous_call(kv_dtype: torch.dtype, new: int,
+                                                                lengths: list[int]) -> None:
+    gen = torch.Generator().manual_seed(1)
+    kv_heads, group, head_dim = 3, 3, 64
+    total = sum(lengths)
+    keys = torch.randn(1, kv_heads, total, head_dim, generator=gen).to(kv_dtype)
+    values = torch.randn(1, kv_heads, total, head_dim, generator=gen).to(kv_dtype)
+    query = torch.randn(1, kv_heads, group * new, head_dim, generator=gen)
+    # A chunk of `new` tokens at the end: token j sees positions <= total - new + j.
+    mask = None if new == 1 else (torch.ones(new, total, dtype=torch.bool).tril(total - new).repeat(group, 1))
+    runs, start = [], 0
+    for n in lengths:
+        runs.append((keys[:, :, start:start + n], values[:, :, start:start + n]))
+        start += n
+    expected = F.scaled_dot_product_attention(query, keys.float(), values.float(), attn_mask=mask, scale=0.125)
+    got = attend(query, runs, mask, 0.125)
+    assert torch.allclose(got, expected, atol=1e-5)
+    two = [runs[0], (torch.cat([r[0] for r in runs[1:]], 2), torch.cat([r[1] for r in runs[1:]], 2))]
+    assert torch.allclose(attend(query, two, mask, 0.125), expected, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the real model
+
+
+def _fragmented_caches(runner: ModelRunner, prompts: list[list[int]], piece: int) -> list[SessionKV]:
+    """Prefill the prompts ``piece`` tokens at a time, round robin, with no room reserved: their blocks
+    interleave in the pool, so every table is several runs."""
+    caches = [runner.new_cache() for _ in prompts]
+    longest = max(len(p) for p in prompts)
+    for start in range(0, longest, piece):
+        for cache, prompt in zip(caches, prompts, strict=True):
+            if start < len(prompt):
+                runner.prefill(cache, prompt[start:start + piece])
+    return caches
+
+
+def test_batched_decode_over_fragmented_block_tables_equals_transformers_greedy(
+        real_runner: ModelRunner, real_reference: torch.nn.Module) -> None:
+    tok = real_runner.tokenizer
+    texts = ["The capital of France is", "Write a haiku about the sea. A haiku has three lines and",
+             "List three primes: 2, 3 and", "Water boils at a temperature of"]
+    prompts = [tok(t * 4)["input_ids"] for t in texts]  # 20-70 tokens: several blocks each
+    steps = 12
+    expected = [reference_greedy(real_reference, p, steps, frozenset()) for p in prompts]
+    caches = _fragmented_caches(real_runner, prompts, piece=16)
+    assert all(len(block_runs(c.block_ids)) > 1 for c in caches)
+    # The first token comes from each prompt's last logits; then one batched step per token.
+    nxt = [expected[i][0] for i in range(len(prompts))]
+    got: list[list[int]] = [[t] for t in nxt]
+    for _ in range(steps - 1):
+        nxt = real_runner.decode(caches, nxt).argmax(-1).tolist()
+        for row, token in zip(got, nxt, strict=True):
+            row.append(token)
+    assert got == expected
+    for cache in caches:
+        cache.free()
+    real_runner.pool.allocator.verify()
+
+
+def test_a_shared_prefix_is_read_in_place_and_never_written_by_the_sharer(real_runner: ModelRunner) -> None:
+    tok = real_runner.tokenizer
+    prefix = tok(SYSTEM)["input_ids"]
+    owner = real_runner.new_cache()
+    real_runner.prefill(owner, prefix)
+    before = [t.clone() for t in any_layer_kv(owner, 3)]
+    sharer = real_runner.new_cache()
+    sharer.share_prefix(owner, len(prefix) - 5)  # ends inside a block: that one block is copied
+    shared = set(owner.block_ids) & set(sharer.block_ids)
+    assert len(shared) == (len(prefix) - 5) // real_runner.pool.block_size
+    assert all(real_runner.pool.allocator.ref_count(b) == 2 for b in shared)
+    tail = tok(" Different words from here on, nothing like the owner's.")["input_ids"]
+    logits = real_runner.prefill(sharer, tail)
+    fresh = real_runner.new_cache()
+    expected = real_runner.prefill(fresh, prefix[:-5] + tail)
+    assert torch.allclose(logits, expected, atol=1e-4)
+    after = any_layer_kv(owner, 3)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    for cache in (owner, sharer, fresh):
+        cache.free()
+    real_runner.pool.allocator.verify()
+
+
+def test_pool_size_is_the_budget() -> None:
+    pool = KVPool.for_budget(10 * 1024 * 1024, 30, 3, 64, torch.float32, "cpu")
+    assert pool.num_bytes <= 10 * 1024 * 1024 < pool.num_bytes + pool.bytes_per_block
+    assert pool.bytes_per_token == 30 * 2 * 3 * 64 * 4
+
+
+# ----------------------------------------------------------------------------- through the KV manager
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def _verify(core: Chatd) -> None:
+    await core.worker.call(core.runner.pool.allocator.verify)
+
+
+async def test_sessions_with_one_system_prompt_hold_it_once_and_give_every_block_back(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    pool = tiny_core.runner.pool
+    results = []
+    ids = []
+    for _ in range(4):
+        info = await svc.create(system=SYSTEM)
+        ids.append(info.session_id)
+        result = await svc.send(info.session_id, "Hello", greedy(6)).wait()
+        assert isinstance(result, TurnResult)
+        results.append(result)
+    system_tokens = len(svc.template.message_ids("system", SYSTEM, 0))
+    assert results[0].usage.cached_tokens == 0
+    assert all(r.usage.cached_tokens >= system_tokens - pool.block_size for r in results[1:])
+    stats = pool.stats()
+    assert stats.num_shared_blocks >= system_tokens // pool.block_size
+    # Four sessions of the same prompt hold well under twice one session's blocks.
+    one = len(tiny_core.kv._entries[ids[0]].cache.block_ids)
+    assert stats.num_used_blocks - stats.num_spare_blocks < 2 * one
+    await _verify(tiny_core)
+    for session_id in ids:
+        assert await tiny_core.delete(session_id)
+    await _until(lambda: pool.stats().num_used_blocks == 0)
+    stats = pool.stats()
+    assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks and stats.num_tables == 0
+    assert stats.num_cached_blocks == 0  # deleted conversations leave nothing findable
+    await _verify(tiny_core)
+
+
+async def test_a_released_prefix_stays_findable_until_its_room_is_needed(tiny_core: Chatd) -> None:
+    svc = tiny_core.sessions
+    a = await svc.create(system=SYSTEM)
+    first = await svc.send(a.session_id, "Hello", greedy(6)).wait()
+    assert isinstance(first, TurnResult)
+    assert await tiny_core.kv.evict(a.session_id)  # snapshot, and the blocks go to the cached LRU
+    await _until(lambda: tiny_core.runner.pool.stats().num_cached_blocks > 0)
+    b = await svc.create(system=SYSTEM)
+    second = await svc.send(b.session_id, "Hello", greedy(6)).wait()
+    assert isinstance(second, TurnResult)
+    assert second.usage.cache_tier == "device" and second.usage.cached_tokens > 0
+    assert second.assistant_message.content == first.assistant_message.content
+    await _verify(tiny_core)
+
+
+async def _two_rounds(core: Chatd, num_sessions: int, *, check: bool) -> list[tuple[str, str]]:
+    """Each session's first turn, then each one's second turn; the replies per session."""
+    svc = core.sessions
+    sessions = []
+    first: list[str] = []
+    for i in range(num_sessions):
+        info = await svc.create(system=SYSTEM)
+        sessions.append(info.session_id)
+        result = await svc.send(info.session_id, f"Question {i}?", greedy(5)).wait()
+        assert isinstance(result, TurnResult)
+        first.append(result.assistant_message.content)
+        if check:
+            await _verify(core)
+            assert core.kv.resident_bytes <= core.kv.budget_bytes
+    second: list[str] = []
+    for session_id in sessions:
+        result = await svc.send(session_id, "And then?", greedy(5)).wait()
+        assert isinstance(result, TurnResult)
+        second.append(result.assistant_message.content)
+        if check:
+            await _verify(core)
+    return list(zip(first, second, strict=True))
+
+
+async def test_eviction_with_shared_blocks_never_takes_a_block_another_session_reads(
+        make_settings: Callable[..., Settings], tiny_dir: Path, tiny_runner: ModelRunner) -> None:
+    alone = make_settings(tiny_dir, cache={"share_prefixes": False})
+    async with Chatd.open(alone, runner=tiny_runner, background=False) as core:
+        expected = await _two_rounds(core, 6, check=False)
+        assert core.counters.num_evictions == 0 and core.counters.num_prefix_shares == 0
+    # A budget of 16 blocks: a turn needs about half of it, so turns keep evicting one another, while the
+    # system prompt's blocks are shared by whoever is resident.
+    budget_mb = 16 * 16 * tiny_runner.info.bytes_per_token / (1024 * 1024)
+    crowded = make_settings(tiny_dir, cache={"device_budget_mb": budget_mb}, data_dir=str(alone.data_path) + "-2")
+    async with Chatd.open(crowded, runner=tiny_runner, background=False) as core:
+        assert await _two_rounds(core, 6, check=True) == expected
+        assert core.counters.num_evictions > 0 and core.counters.num_prefix_shares > 0
+        assert core.counters.num_restores > 0
