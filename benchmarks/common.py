@@ -79,7 +79,7 @@ class Plan:
     memory_budget_tokens: int
     memory_parallel: int
     peer_turns: int
-    shared_prefix_sessions: tuple[int, ...] = (1, 10)
+    shared_prefix_sessions: tuple[int, ...] = (1, 10, 100)
     """Session counts for the shared-system-prompt figure (each its own run)."""
     shared_prefix_tokens: int = 1000
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 from typing import Any
 
 from benchmarks.common import Bench, Column, Corpus, Figure, ratio
@@ -47,6 +48,28 @@ async def _conversation_tokens(core: Chatd, session_id: str) -> int:
     return sum(len(m.token_ids) for m in await core.repo.get_messages(session_id))
 
 
+async def _direct_ms(core: Chatd, session_id: str) -> float:
+    """The model's own time for the prompt of the session's last reply (all messages before it): a chunked
+    prefill from an empty cache, chunked like the engine, and the first token's argmax, called directly on
+    the engine thread with nothing else queued. The floor a recomputed turn's TTFT is held against."""
+    messages = await core.repo.get_messages(session_id)
+    prompt = core.sessions.template.prompt_ids(m.token_ids for m in messages[:-1])
+    runner, chunk = core.runner, core.settings.model.prefill_chunk_tokens
+
+    def run() -> float:
+        cache = runner.new_cache()
+        cache.reserve(len(prompt) + 1)
+        started = time.perf_counter()
+        for start in range(0, len(prompt), chunk):
+            logits = runner.prefill(cache, prompt[start:start + chunk])
+        int(logits.argmax())
+        elapsed = time.perf_counter() - started
+        cache.free(forget=True)
+        return elapsed * 1000
+
+    return float(await core.worker.call(run))
+
+
 async def _turn(core: Chatd, session_id: str, content: str, params: GenerationParams) -> TurnResult:
     result = await core.sessions.send(session_id, content, params).wait()
     assert isinstance(result, TurnResult)
@@ -67,6 +90,8 @@ async def _ttft_vs_history(bench: Bench, corpus: Corpus) -> Figure:
             Column("recompute_ttft_ms", "TTFT recomputed ms", "{:.0f}"),
             Column("speedup", "recomputed / kept", "{:.1f}x"), Column("kept_cached_tokens", "cached tokens"),
             Column("recompute_prefill_tokens", "recomputed tokens"), Column("same_reply", "same reply"),
+            Column("direct_ms", "direct on the model ms", "{:.0f}"),
+            Column("recompute_vs_direct", "recomputed / direct", "{:.2f}x"),
         ])
     runner = bench.runner()
     params = _params(bench)
@@ -90,6 +115,7 @@ async def _ttft_vs_history(bench: Bench, corpus: Corpus) -> Figure:
             a = await _turn(core, kept, probe, params)
             await core.kv.drop(recomputed)
             b = await _turn(core, recomputed, probe, params)
+            direct = await _direct_ms(core, recomputed)
             fig.rows.append({
                 "history_tokens": a.usage.input_tokens, "new_tokens": a.usage.prefill_tokens,
                 "kept_ttft_ms": a.usage.ttft_ms, "recompute_ttft_ms": b.usage.ttft_ms,
@@ -97,11 +123,16 @@ async def _ttft_vs_history(bench: Bench, corpus: Corpus) -> Figure:
                 "kept_cached_tokens": a.usage.cached_tokens, "kept_tier": a.usage.cache_tier,
                 "recompute_prefill_tokens": b.usage.prefill_tokens, "recompute_cached_tokens": b.usage.cached_tokens,
                 "same_reply": a.assistant_message.content == b.assistant_message.content,
+                "direct_ms": direct, "recompute_vs_direct": ratio(b.usage.ttft_ms, direct),
             })
     fig.summary = {"reply_tokens": bench.plan.reply_tokens}
     for row in fig.rows:
         fig.add_headline(f"TTFT recomputed / kept at {row['history_tokens']} history tokens", row["speedup"],
                          "{:.1f}x")
+    if fig.rows:
+        last = fig.rows[-1]
+        fig.add_headline(f"recomputed TTFT / direct prefill on the model at {last['history_tokens']} tokens",
+                         last["recompute_vs_direct"], "{:.2f}x")
     return fig
 
 
@@ -121,6 +152,8 @@ async def _edit_cost(bench: Bench, corpus: Corpus) -> Figure:
             Column("recompute_prefill_tokens", "recompute prefilled"),
             Column("recompute_ttft_ms", "recompute TTFT ms", "{:.0f}"),
             Column("speedup", "recompute / edit", "{:.1f}x"), Column("same_reply", "same reply"),
+            Column("direct_ms", "direct on the model ms", "{:.0f}"),
+            Column("recompute_vs_direct", "recompute / direct", "{:.2f}x"),
         ])
     runner = bench.runner()
     params = _params(bench)
@@ -142,6 +175,7 @@ async def _edit_cost(bench: Bench, corpus: Corpus) -> Figure:
             await core.kv.drop(sid)
             again = await core.sessions.edit(sid, index, edited, params).wait()
             assert isinstance(first, TurnResult) and isinstance(again, TurnResult)
+            direct = await _direct_ms(core, sid)
             edit_at = first.usage.invalidated_from if first.usage.invalidated_from is not None else 0
             fig.rows.append({
                 "position": f"{position} (#{index})", "message_index": index, "history_tokens": history,
@@ -150,11 +184,14 @@ async def _edit_cost(bench: Bench, corpus: Corpus) -> Figure:
                 "edit_ttft_ms": first.usage.ttft_ms, "recompute_prefill_tokens": again.usage.prefill_tokens,
                 "recompute_ttft_ms": again.usage.ttft_ms, "speedup": ratio(again.usage.ttft_ms, first.usage.ttft_ms),
                 "same_reply": first.assistant_message.content == again.assistant_message.content,
+                "direct_ms": direct, "recompute_vs_direct": ratio(again.usage.ttft_ms, direct),
             })
     fig.summary = {"messages": bench.plan.edit_messages, "reply_tokens": bench.plan.reply_tokens}
     for row in fig.rows:
         fig.add_headline(f"edit of the {row['position'].split()[0]} message: recompute / edit TTFT", row["speedup"],
                          "{:.1f}x")
+        fig.add_headline(f"edit of the {row['position'].split()[0]} message: recompute TTFT / direct prefill",
+                         row["recompute_vs_direct"], "{:.2f}x")
     return fig
 
 

@@ -98,12 +98,15 @@ def test_quick_report_correctness_checks(quick_run: tuple[dict[str, Any], str, s
     for row in figures["ttft_vs_history"]["rows"]:
         # The kept session reuses its history; the twin recomputes all of it.
         assert row["kept_cached_tokens"] > 0 and row["recompute_cached_tokens"] == 0
+        assert row["direct_ms"] > 0 and row["recompute_vs_direct"] > 0
     shared = figures["shared_prefix"]["rows"]
     assert [r["sessions"] for r in shared] == list(PLANS["quick"].shared_prefix_sessions)
     for row in shared[1:]:
         # Every later session starts from the shared system prompt instead of prefilling it.
         assert row["prefix_shares"] == row["sessions"] - 1
         assert row["later_cached_tokens"] >= 0.9 * PLANS["quick"].shared_prefix_tokens
+        # The prompt's blocks are held once: N sessions take far less than N times one session's KV.
+        assert row["kv_vs_one"] < 0.25 * row["sessions"]
     memory = figures["memory"]["rows"][0]
     assert memory["evictions"] > 0 and memory["restores"] > 0 and memory["within_budget"]
     assert [r["clients"] for r in figures["concurrency"]["rows"]] == [1, 4, 8, 16]
