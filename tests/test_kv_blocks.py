@@ -685,3 +685,36 @@ def test_verify_catches_a_spare_held_twice() -> None:
     b._spare_ids.append(a.spare_block_ids[0])  # corrupt on purpose
     with pytest.raises(AssertionError):
         allocator.verify()
+
+
+def test_stats_can_be_read_while_another_thread_changes_the_tables() -> None:
+    import threading
+
+    allocator = BlockAllocator(64, BS, salt="s")
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def churn() -> None:
+        rng = random.Random(5)
+        live: list[BlockTable] = []
+        try:
+            while not stop.is_set():
+                if live and (len(live) > 6 or rng.random() < 0.4):
+                    allocator.free(live.pop(rng.randrange(len(live))))
+                else:
+                    table = allocator.allocate([rng.randrange(50) for _ in range(rng.randrange(1, 20))]).table
+                    allocator.commit(table)
+                    live.append(table)
+        except BaseException as exc:
+            failures.append(exc)
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        for _ in range(3000):
+            stats = allocator.stats()
+            assert stats.num_blocks == 64
+    finally:
+        stop.set()
+        worker.join()
+    assert not failures

@@ -69,7 +69,9 @@ slots. A registered block held by one table only is taken over in place instead 
 A :meth:`~BlockAllocator.reserve` counts that copy: after ``reserve(table, n)``, appending up to ``n``
 positions in all takes nothing from the pool.
 
-Threading: not thread-safe; one owner (the KV manager) calls it.
+Threading: not thread-safe; one owner calls it (the engine thread, through the session caches of
+chatd.engine.kvcache). Other threads may read the cheap queries (counts, ``cached_prefix_len``,
+``ref_count``) and :meth:`BlockAllocator.stats`, which tolerates concurrent changes.
 """
 
 from __future__ import annotations
@@ -385,10 +387,14 @@ class BlockAllocator:
         return max(0, need - len(table._spare_ids))
 
     def stats(self) -> BlockStats:
+        """Counts of this moment. The one read another thread may make while the owner works (the server's
+        stats and metrics): it iterates copies of the table registry and of each table's blocks, so a
+        concurrent change cannot make it raise; the figures may then mix two adjacent moments."""
         fills: dict[int, int] = {}
         size = self.block_size
-        for table in self._tables.values():
-            for i, block_id in enumerate(table._block_ids):
+        tables = list(self._tables.values())
+        for table in tables:
+            for i, block_id in enumerate(list(table._block_ids)):
                 fill = min(size, table.num_tokens - i * size)
                 if fill > fills.get(block_id, 0):
                     fills[block_id] = fill
@@ -399,10 +405,10 @@ class BlockAllocator:
             num_free_blocks=len(self._free),
             num_cached_blocks=len(self._cached),
             num_used_blocks=num_used,
-            num_spare_blocks=sum(len(t._spare_ids) for t in self._tables.values()),
-            num_shared_blocks=sum(1 for r in self._ref_counts if r > 1),
-            num_tables=len(self._tables),
-            num_logical_tokens=sum(t.num_tokens for t in self._tables.values()),
+            num_spare_blocks=sum(len(t._spare_ids) for t in tables),
+            num_shared_blocks=sum(1 for r in list(self._ref_counts) if r > 1),
+            num_tables=len(tables),
+            num_logical_tokens=sum(t.num_tokens for t in tables),
             num_unique_tokens=sum(fills.values()),
             num_queried_tokens=self._num_queried,
             num_hit_tokens=self._num_hits,
