@@ -9,17 +9,17 @@ cache of the KV manager (no stored session behind it, never snapshotted, freed w
   runs in that cache, in place: the usual "resend with one more turn" costs no copy and leaves one cache
   per conversation, not one per request. Another conversation of the same caller that shares only a
   system prompt does not qualify, so it never cuts this one.
-* **Otherwise a new pool cache**: the KV manager then starts it from the resident cache that shares the
-  longest prefix with the prompt (``[cache] share_prefixes``, at least ``share_min_tokens``): a shared
-  system prompt, a conversation that forks or regenerates its last reply. That is a copy: the cache it came
-  from stays intact for whoever owns it.
+* **Otherwise a new pool cache**: the KV manager then starts it from the longest prefix of the prompt
+  already in the KV pool (``[cache] share_prefixes``, at least ``share_min_tokens``): a shared system
+  prompt, a conversation that forks or regenerates its last reply. The new cache references those blocks
+  (a partly filled last one is copied); the cache they came from stays intact for whoever owns it.
 
 Pool caches live as long as the KV manager keeps them resident (LRU under the same budget as every
 session); an evicted one is forgotten here on the next look-up.
 
 Callers are told apart by a partition key (the API key and the request's ``user``): only the caller's own
 caches are taken over, so no request can cut another caller's cache. Reuse across callers happens only
-through the KV manager's prefix copy, which ``share_prefixes = false`` turns off; a reply reveals it only
+through the KV manager's prefix sharing, which ``share_prefixes = false`` turns off; a reply reveals it only
 as a count (``cached_tokens``).
 """
 

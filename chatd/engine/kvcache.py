@@ -191,21 +191,28 @@ class SessionKV(DynamicCache):
             self._table = self.pool.allocator.allocate([]).table
         return self._table
 
+    # The queries below may be read by the event loop while the engine thread works: each reads the table
+    # once (free() may drop it in between) and tolerates a count from a neighbouring moment.
+
     @property
     def length(self) -> int:
-        return 0 if self._table is None else self._table.num_computed_tokens
+        table = self._table
+        return 0 if table is None else table.num_computed_tokens
 
     @property
     def capacity(self) -> int:
-        return 0 if self._table is None else self._table.capacity
+        table = self._table
+        return 0 if table is None else table.capacity
 
     @property
     def token_ids(self) -> Sequence[int]:
-        return () if self._table is None else self._table.token_ids[: self.length]
+        table = self._table
+        return () if table is None else table.token_ids[: table.num_computed_tokens]
 
     @property
     def block_ids(self) -> Sequence[int]:
-        return () if self._table is None else self._table.block_ids
+        table = self._table
+        return () if table is None else table.block_ids
 
     def bytes_per_token(self) -> int:
         return self.pool.bytes_per_token
@@ -218,17 +225,12 @@ class SessionKV(DynamicCache):
     @property
     def private_bytes(self) -> int:
         """Bytes of the blocks only this session holds: what freeing it gives back to the pool."""
-        if self._table is None:
+        table = self._table
+        if table is None:
             return 0
         allocator = self.pool.allocator
-        private = sum(1 for b in self._table.block_ids if allocator.ref_count(b) == 1)
-        return (private + len(self._table.spare_block_ids)) * self.pool.bytes_per_block
-
-    def blocks_to_reserve(self, capacity: int) -> int:
-        """Blocks :meth:`reserve` of ``capacity`` would take from the pool."""
-        size = self.pool.block_size
-        held = 0 if self._table is None else len(self._table.block_ids) + len(self._table.spare_block_ids)
-        return max(0, -(-capacity // size) - held)
+        private = sum(1 for b in list(table.block_ids) if allocator.ref_count(b) == 1)
+        return (private + len(table.spare_block_ids)) * self.pool.bytes_per_block
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
