@@ -28,7 +28,6 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -175,7 +174,6 @@ class SessionKV(DynamicCache):
         self.dtype = pool.dtype
         self.device = pool.device
         self._table: BlockTable | None = None
-        self._pending_from = 0  # first position of the step begun and not yet committed
         self._pending_slots: torch.Tensor | None = None
         self._restore_views: Layers | None = None
 
@@ -294,7 +292,6 @@ class SessionKV(DynamicCache):
             raise RuntimeError("a forward pass on this cache was begun and not finished")
         start = table.num_tokens
         self.pool.copy(self.pool.allocator.append(table, token_ids))
-        self._pending_from = start
         self._pending_slots = torch.tensor(table.slot_ids(start), dtype=torch.long, device=self.pool.device)
         return self._pending_slots
 
@@ -436,7 +433,7 @@ def attend(query: torch.Tensor, runs: Sequence[tuple[torch.Tensor, torch.Tensor]
     return merged / total
 
 
-def any_layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def any_layer_kv(cache: SessionKV, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[kv_heads, positions, head_dim]`` of one layer of a :class:`SessionKV` (a copy for a table
     of several runs); for tests and the fallback attention."""
     keys, values = cache.paged_layers[layer].current()
