@@ -60,10 +60,6 @@ class KVPool:
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # Per layer, K and V as [kv_heads, num_blocks * block_size, head_dim]: where a step's slots are written.
-        flat = (num_kv_heads, num_blocks * block_size, head_dim)
-        self._flat = [(self.tensors.keys(layer).view(flat), self.tensors.values(layer).view(flat))
-                      for layer in range(num_layers)]
 
     @classmethod
     def for_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -102,10 +98,9 @@ class KVPool:
             self.tensors.copy_blocks(*flatten_copies(copies))
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """K/V ``[n, kv_heads, head_dim]`` of ``n`` positions (any mix of sessions) at ``slots`` ``[n]``."""
-        flat_k, flat_v = self._flat[layer]
-        flat_k.index_copy_(1, slots, keys.transpose(0, 1).to(self.dtype))
-        flat_v.index_copy_(1, slots, values.transpose(0, 1).to(self.dtype))
+        """K/V ``[n, kv_heads, head_dim]`` of ``n`` positions (any mix of sessions) at ``slots`` ``[n]``, in
+        one indexed copy each; activations wider than the pool's dtype are narrowed."""
+        self.tensors.write(layer, slots, keys.to(self.dtype), values.to(self.dtype))
 
     def run_views(self, block_ids: Sequence[int], num_tokens: int
                   ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:

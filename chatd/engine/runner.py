@@ -419,7 +419,7 @@ class ModelRunner:
         if singles:
             rows = [caches[i] for i in singles]
             with appending(rows, [runs[i] for i in singles]) as step:
-                batch = self._decode_transformers(rows, runs=[runs[i][0] for i in singles], starts=step.starts)
+                batch = self._decode_transformers(rows, [runs[i][0] for i in singles], step.starts)
             for row, i in enumerate(singles):
                 logits[i] = batch[row]
         for i, run in enumerate(runs):
@@ -466,10 +466,10 @@ class ModelRunner:
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1]
 
-    def _decode_transformers(self, caches: Sequence[SessionKV], runs: Sequence[int], starts: Sequence[int]
+    def _decode_transformers(self, caches: Sequence[SessionKV], token_ids: Sequence[int], starts: Sequence[int]
                              ) -> torch.Tensor:
         device = self.info.device
-        ids = torch.tensor(list(runs), dtype=torch.long, device=device)[:, None]  # [batch, 1]
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)[:, None]  # [batch, 1]
         positions = torch.tensor(list(starts), dtype=torch.long, device=device)[:, None]
         # A 4-D mask makes transformers skip building one; _row_attention does not need it.
         no_mask = torch.empty((len(caches), 1, 1, 0), device=device)
