@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -69,6 +69,22 @@ def _transient(session_id: str, index: int, role: Role, content: str, token_ids:
     """A message of a stateless request: shaped like a stored one, stored nowhere."""
     return MessageRecord(message_id=0, session_id=session_id, index=index, role=role, content=content,
                          token_ids=token_ids, created_at=datetime.now(UTC), finish_reason=finish_reason, usage=None)
+
+
+async def _ready(user: MessageRecord) -> MessageRecord:
+    return user
+
+
+async def _settle(task: asyncio.Future[MessageRecord]) -> None:
+    """Wait for a commit that is going ahead anyway (shielded from a cancelled caller); its own error, if
+    any, is logged: the caller has another one to report."""
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            raise
+    except Exception:
+        log.info("storing a message failed while the turn failed for another reason", exc_info=True)
 
 
 @dataclass(frozen=True)
@@ -222,10 +238,14 @@ class TurnRunner:
         user_ids = self.template.message_ids("user", content, len(messages))
         prompt = self.template.prompt_ids([*(m.token_ids for m in messages), user_ids])
         resolved = self._resolve(params, len(prompt))
-        user = await self.repo.append_message(turn.session_id, "user", content, user_ids, unanswered=True)
-        if not record.title:
-            await self.repo.set_title(turn.session_id, " ".join(content.split())[:TITLE_CHARS])
-        await self._generate(turn, user, prompt, resolved, started, invalidated_from=None)
+
+        async def store() -> MessageRecord:
+            user = await self.repo.append_message(turn.session_id, "user", content, user_ids, unanswered=True)
+            if not record.title:
+                await self.repo.set_title(turn.session_id, " ".join(content.split())[:TITLE_CHARS])
+            return user
+
+        await self._generate(turn, store(), prompt, resolved, started, invalidated_from=None)
 
     async def edit(self, turn: Turn, index: int, content: str, params: GenerationParams | None) -> None:
         """Replace message ``index``, drop the later ones (kept as edit history) and, for a user message,
@@ -249,8 +269,12 @@ class TurnRunner:
             return
         prompt = [*kept, *new_ids, *self.template.generation_prompt_ids]
         resolved = self._resolve(params, len(prompt))
-        user, _ = await self.repo.replace_from(turn.session_id, index, role, content, new_ids, unanswered=True)
-        await self._generate(turn, user, prompt, resolved, started, invalidated_from=invalidated_from)
+
+        async def store() -> MessageRecord:
+            user, _ = await self.repo.replace_from(turn.session_id, index, role, content, new_ids, unanswered=True)
+            return user
+
+        await self._generate(turn, store(), prompt, resolved, started, invalidated_from=invalidated_from)
 
     def check_conversation(self, messages: Conversation) -> None:
         """Raise BadRequest or TooLarge for a conversation no turn may take: it must end with a user
@@ -271,7 +295,8 @@ class TurnRunner:
         started = time.monotonic()
         resolved = self._resolve(params, len(prompt))
         user = _transient(turn.session_id, len(messages) - 1, "user", messages[-1][1], ())
-        await self._generate(turn, user, list(prompt), resolved, started, invalidated_from=None, stored=False)
+        await self._generate(turn, _ready(user), list(prompt), resolved, started, invalidated_from=None,
+                             stored=False)
 
     def render(self, messages: Conversation) -> list[int]:
         """The prompt ids of a whole conversation (each message rendered at its position)."""
@@ -304,28 +329,56 @@ class TurnRunner:
             invalidated_from = common_prefix_len(self.template.conversation_ids(m.token_ids for m in stored),
                                                  self.template.conversation_ids([*kept, *new]))
         resolved = self._resolve(params, len(prompt))
-        role, content = messages[start]
         last = len(messages) - 1  # the user message the reply answers
-        if start < len(stored):
-            user, _ = await self.repo.replace_from(turn.session_id, start, role, content, new[0],
-                                                   unanswered=start == last)
-        else:
-            user = await self.repo.append_message(turn.session_id, role, content, new[0], unanswered=start == last)
-        for index, ((role, content), ids) in enumerate(zip(messages[start + 1:], new[1:], strict=True), start + 1):
-            user = await self.repo.append_message(turn.session_id, role, content, ids, unanswered=index == last)
-        if not record.title:
-            await self.repo.set_title(turn.session_id, " ".join(messages[-1][1].split())[:TITLE_CHARS])
-        await self._generate(turn, user, prompt, resolved, started, invalidated_from=invalidated_from)
 
-    async def _generate(self, turn: Turn, user: MessageRecord, prompt: list[int], params: SamplingParams,
-                        started: float, *, invalidated_from: int | None, stored: bool = True) -> None:
-        lease = await self.kv.acquire(turn.session_id, prompt, params.max_tokens, ephemeral=not stored)
+        async def store() -> MessageRecord:
+            role, content = messages[start]
+            if start < len(stored):
+                user, _ = await self.repo.replace_from(turn.session_id, start, role, content, new[0],
+                                                       unanswered=start == last)
+            else:
+                user = await self.repo.append_message(turn.session_id, role, content, new[0],
+                                                      unanswered=start == last)
+            for index, ((role, content), ids) in enumerate(zip(messages[start + 1:], new[1:], strict=True),
+                                                           start + 1):
+                user = await self.repo.append_message(turn.session_id, role, content, ids, unanswered=index == last)
+            if not record.title:
+                await self.repo.set_title(turn.session_id, " ".join(messages[-1][1].split())[:TITLE_CHARS])
+            return user
+
+        await self._generate(turn, store(), prompt, resolved, started, invalidated_from=invalidated_from)
+
+    async def _generate(self, turn: Turn, store: Awaitable[MessageRecord], prompt: list[int],
+                        params: SamplingParams, started: float, *, invalidated_from: int | None,
+                        stored: bool = True) -> None:
+        """Commit the turn's message(s) (``store``, resolving to the user message the reply answers) and
+        generate the reply. The commit runs alongside the cache's preparation and the prompt's prefill, so
+        its disk sync does not delay the first token; no text reaches the reader before it is durable. A
+        failed commit stops the generation and is the turn's error."""
+        committing = asyncio.ensure_future(store)
+        try:
+            lease = await self.kv.acquire(turn.session_id, prompt, params.max_tokens, ephemeral=not stored)
+        except BaseException:
+            await _settle(committing)
+            raise
         result: GenerationResult | None = None
         try:
+            handle = None
             if not turn.cancel_requested:
                 handle = self.worker.generate(lease.cache, lease.prefill_ids, params,
                                               max_new_tokens=params.max_tokens, started_at=started)
                 turn.attach(handle)
+            try:
+                user = await asyncio.shield(committing)
+            except BaseException:
+                if handle is not None:
+                    handle.cancel()
+                    async for _ in handle.events():  # the cache is the engine's until its last event
+                        pass
+                if not committing.done():  # this task was cancelled: the commit goes ahead anyway
+                    await _settle(committing)
+                raise
+            if handle is not None:
                 async for event in handle.events():
                     if isinstance(event, TextPiece):
                         turn.push(event.text)

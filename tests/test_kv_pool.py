@@ -5,6 +5,7 @@ deletion."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -219,3 +220,61 @@ async def test_eviction_with_shared_blocks_never_takes_a_block_another_session_r
         assert await _two_rounds(core, 6, check=True) == expected
         assert core.counters.num_evictions > 0 and core.counters.num_prefix_shares > 0
         assert core.counters.num_restores > 0
+
+
+# ----------------------------------------------------------------------------- sessions starting together
+
+
+def _hold_engine(core: Chatd) -> threading.Event:
+    """Keep the engine thread busy (as in a long step) until the returned event is set."""
+    gate = threading.Event()
+    core.worker.submit(lambda: gate.wait(30))
+    return gate
+
+
+async def test_sessions_starting_together_queue_their_caches_for_one_visit_of_the_engine(tiny_core: Chatd) -> None:
+    kv = tiny_core.kv
+    gate = _hold_engine(tiny_core)
+    prompts = [[(7 * i + j) % 200 + 10 for j in range(40)] for i in range(8)]
+    acquires = [asyncio.ensure_future(kv.acquire(f"s{i}", prompt, 20)) for i, prompt in enumerate(prompts)]
+    try:
+        # While the engine is busy, every new session's cache is already queued for it: none waits for
+        # another's to be made first (one step each, when they were made one at a time).
+        await _until(lambda: tiny_core.worker._inbox.qsize() == len(prompts))
+        assert not any(a.done() for a in acquires)
+    finally:
+        gate.set()
+    leases = await asyncio.gather(*acquires)
+    assert [lease.prompt_ids for lease in leases] == [tuple(p) for p in prompts]
+    assert all(lease.cache.capacity >= 60 for lease in leases)
+    for lease in leases:
+        kv.release(lease)
+    await _verify(tiny_core)
+
+
+async def test_room_queued_for_new_caches_counts_before_the_engine_makes_them(
+        make_settings: Callable[..., Settings], tiny_dir: Path, tiny_runner: ModelRunner) -> None:
+    # 16 blocks of 16 tokens; each acquire needs 7 (40 prompt + 60 new tokens): two fit, a third does not.
+    budget_mb = 16 * 16 * tiny_runner.info.bytes_per_token / (1024 * 1024)
+    settings = make_settings(tiny_dir, cache={"device_budget_mb": budget_mb, "share_prefixes": False})
+    async with Chatd.open(settings, runner=tiny_runner, background=False) as core:
+        kv = core.kv
+        gate = _hold_engine(core)
+        prompts = [[(11 * i + j) % 200 + 10 for j in range(40)] for i in range(3)]
+        acquires = [asyncio.ensure_future(kv.acquire(f"s{i}", prompt, 60)) for i, prompt in enumerate(prompts)]
+        await _until(lambda: core.worker._inbox.qsize() >= 2)
+        await asyncio.sleep(0.2)
+        # The third waits for room (two queued reservations count as taken), instead of being queued too
+        # and failing in the engine for lack of blocks.
+        assert core.worker._inbox.qsize() == 2
+        gate.set()
+        first, second = await asyncio.wait_for(asyncio.gather(acquires[0], acquires[1]), 10)
+        await asyncio.sleep(0.2)
+        assert not acquires[2].done()
+        kv.release(first)
+        third = await asyncio.wait_for(acquires[2], 10)
+        assert third.cache.capacity >= 100 and not kv.is_resident("s0")
+        assert core.counters.num_evictions == 1
+        kv.release(second)
+        kv.release(third)
+        await _verify(core)

@@ -183,6 +183,13 @@ class EngineWorker:
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on the worker thread between steps; return its result or raise its error."""
+        # Shield: once queued the call runs anyway; a cancelled caller must not lose track of it.
+        return await asyncio.shield(self.submit(fn))
+
+    def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Queue ``fn()`` for the worker thread now (calls run in the order they are queued, between
+        steps) and return a future of its result. Unlike :meth:`call`, the queueing happens before the
+        caller's next await, so a caller can decide, queue, and release a lock before the work runs."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
@@ -199,8 +206,7 @@ class EngineWorker:
         self._inbox.put(_Call(fn, done))
         if self.failure is not None:
             self._drain_dead_inbox()
-        # Shield: once queued the call runs anyway; a cancelled caller must not lose track of it.
-        return await asyncio.shield(future)
+        return future
 
     def generate(self, cache: SessionKV, prefill_ids: Sequence[int], params: SamplingParams,
                  *, max_new_tokens: int | None = None, started_at: float | None = None) -> GenerationHandle:

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from chatd.engine.worker import EngineWorker
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # After a turn, spare capacity beyond this many tokens is given back to the budget.
 SPARE_TOKENS = 64
@@ -104,7 +106,12 @@ class KVManager:
         self.bytes_per_token = self.pool.bytes_per_token
         self.counters = counters if counters is not None else Counters()
         self._entries: dict[str, _Entry] = {}
+        # Sessions whose new cache the engine is making (no entry yet).
+        self._arriving: set[str] = set()
         self._room = asyncio.Condition()
+        # Room taken for engine work queued and not run yet: queued minus placed (see _take_room).
+        self._queued_bytes = 0
+        self._placed_bytes = 0
         self._background: asyncio.Task[None] | None = None
         # Frees, spare-capacity trims and room notifications that nobody waits for.
         self._tasks = TaskSet()
@@ -156,36 +163,57 @@ class KVManager:
         least recently used first, waiting for running generations when only they hold the budget.
         The caller must call :meth:`release` (also on error or cancellation). A cache first made
         ``ephemeral`` (no stored session behind it) is never written to disk.
+
+        The room lock is held only while deciding: the engine work an acquire needs (a truncation, a
+        reservation, a new cache) runs after the engine's current step, so many sessions starting at
+        once queue their work together instead of waiting a step each, one after the other.
         """
         prompt = tuple(prompt_ids)
         capacity = len(prompt) + max_new_tokens
         self.check_fits(capacity)
+        started: asyncio.Future[tuple[SessionKV, int]] | None = None
         async with self._room:
             # Snapshot I/O reads the buffers below `length`; never change them under it.
             await self._wait_io(session_id)
             entry = self._entries.get(session_id)
-            if entry is not None:
+            if entry is None:
+                cold = await self._start_cold(session_id, prompt, capacity, ephemeral=ephemeral)
+                if isinstance(cold, Lease):
+                    return cold
+                started = cold
+                # Until the cache exists the session has no entry: an operator's restore of it must not
+                # start a second cache meanwhile (its turns are one at a time anyway).
+                self._arriving.add(session_id)
+            else:
+                # Busy from here: no eviction, snapshot or other acquire touches the cache until release.
                 entry.busy = True
-                try:
-                    reuse = reusable_prefix(entry.cached_ids, prompt)
-                    cache = entry.cache
-                    # Cut first: blocks past the reused prefix that another session also holds leave this
-                    # cache without coming free, so the room still needed is known only afterwards.
-                    await self.worker.call(lambda: cache.truncate(reuse))
-                    del entry.cached_ids[reuse:]
-                    await self._make_room(capacity * self.bytes_per_token - cache.num_bytes, protect={session_id})
-                    await self.worker.call(lambda: cache.reserve(capacity))
-                except BaseException:
-                    entry.busy = False
-                    raise
-                restored_ms, entry.restored_ms = entry.restored_ms, None
-                if restored_ms is not None and reuse:
-                    return Lease(session_id, cache, prompt, reuse, "disk", restored_ms)
-                return Lease(session_id, cache, prompt, reuse, "device" if reuse else "none", None)
-            return await self._acquire_cold(session_id, prompt, capacity, ephemeral=ephemeral)
+        if started is not None:
+            return await self._finish_cold(session_id, prompt, started, ephemeral=ephemeral)
+        assert entry is not None
+        try:
+            reuse = reusable_prefix(entry.cached_ids, prompt)
+            cache = entry.cache
+            # Cut first: blocks past the reused prefix that another session also holds leave this cache
+            # without coming free, so the room still needed is known only afterwards.
+            await self.worker.call(lambda: cache.truncate(reuse))
+            del entry.cached_ids[reuse:]
+            async with self._room:
+                need = max(capacity * self.bytes_per_token - cache.num_bytes, 0)
+                await self._make_room(need, protect={session_id})
+                reserved = self._take_room(need, lambda: cache.reserve(capacity))
+            await asyncio.shield(reserved)
+        except BaseException:
+            entry.busy = False
+            raise
+        restored_ms, entry.restored_ms = entry.restored_ms, None
+        if restored_ms is not None and reuse:
+            return Lease(session_id, cache, prompt, reuse, "disk", restored_ms)
+        return Lease(session_id, cache, prompt, reuse, "device" if reuse else "none", None)
 
-    async def _acquire_cold(self, session_id: str, prompt: tuple[int, ...], capacity: int, *,
-                            ephemeral: bool = False) -> Lease:
+    async def _start_cold(self, session_id: str, prompt: tuple[int, ...], capacity: int, *,
+                          ephemeral: bool = False) -> Lease | asyncio.Future[tuple[SessionKV, int]]:
+        """With the room lock held: restore the session's snapshot (a lease), or make room and queue the
+        making of a new cache (its future: the cache and how many positions it starts with)."""
         if not ephemeral:
             restored = await self._try_restore(session_id, prompt, capacity,
                                                reuse_limit=max(len(prompt) - 1, 0))
@@ -198,7 +226,8 @@ class KVManager:
         # block is copied). Decide and hand the work to the engine thread with no await in between: the
         # engine runs calls in order, so no eviction, truncation or forward pass queued later can touch the
         # donor's prefix first.
-        await self._make_room(capacity * self.bytes_per_token, protect=())
+        need = capacity * self.bytes_per_token
+        await self._make_room(need, protect=())
         donor = self._best_donor(session_id, prompt)
         source = self._entries[donor].cache if donor is not None else None
         wanted = reusable_prefix(self._entries[donor].cached_ids, prompt) if donor is not None else 0
@@ -222,13 +251,30 @@ class KVManager:
                 raise
             return cache, length
 
-        cache, shared = await self.worker.call(start)
+        return self._take_room(need, start)
+
+    async def _finish_cold(self, session_id: str, prompt: tuple[int, ...],
+                           started: asyncio.Future[tuple[SessionKV, int]], *, ephemeral: bool) -> Lease:
+        try:
+            cache, shared = await asyncio.shield(started)
+        except asyncio.CancelledError:
+            # The engine makes the cache anyway; give its blocks back once it has.
+            started.add_done_callback(self._free_unclaimed)
+            raise
+        finally:
+            self._arriving.discard(session_id)
         if shared:
             self.counters.num_prefix_shares += 1
             self.counters.num_prefix_shared_tokens += shared
         self._entries[session_id] = _Entry(session_id, cache, list(prompt[:shared]), self.clock(), busy=True,
                                            ephemeral=ephemeral)
         return Lease(session_id, cache, prompt, shared, "device" if shared else "none", None)
+
+    def _free_unclaimed(self, started: asyncio.Future[tuple[SessionKV, int]]) -> None:
+        if not started.cancelled() and started.exception() is None:
+            cache = started.result()[0]
+            self._tasks.spawn(self.worker.call(cache.free))
+            self._tasks.spawn(self._notify_room())
 
     def _best_donor(self, session_id: str, prompt: Sequence[int]) -> str | None:
         """The resident session whose cache shares the longest usable prefix with ``prompt`` (at least
@@ -270,11 +316,32 @@ class KVManager:
 
     # ------------------------------------------------------------------ room
 
+    def _take_room(self, need_bytes: int, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Queue ``fn`` (engine work that takes up to ``need_bytes`` of the pool) right after
+        :meth:`_make_room` made that room, counting the bytes as used until ``fn`` has run, so the room
+        lock can be released before the work is done without a later decision counting them free."""
+        self._queued_bytes += need_bytes
+
+        def run() -> T:
+            try:
+                return fn()
+            finally:
+                self._placed_bytes += need_bytes  # the worker thread is this counter's only writer
+
+        return self.worker.submit(run)
+
+    def _committed_bytes(self) -> int:
+        """The pool's used bytes plus the room taken for engine work not run yet (an overestimate for a
+        moment while the work finishes, never an underestimate: the placed count is read first)."""
+        placed = self._placed_bytes
+        return self.pool.used_bytes + self._queued_bytes - placed
+
     async def _make_room(self, need_bytes: int, *, protect: set[str] | tuple[()]) -> None:
         """Evict until ``need_bytes`` more fit. Called with ``self._room`` held."""
         deadline = self.clock() + ROOM_WAIT_S
         while True:
-            victims = policy.choose_victims(self._records(), need_bytes=need_bytes, used_bytes=self.resident_bytes,
+            victims = policy.choose_victims(self._records(), need_bytes=need_bytes,
+                                            used_bytes=self._committed_bytes(),
                                             budget_bytes=self.budget_bytes, protect=protect)
             if victims == []:
                 return
@@ -438,13 +505,13 @@ class KVManager:
 
     async def restore(self, session_id: str, conversation_ids: Sequence[int]) -> Tier:
         """Bring a session's cache back ahead of its next turn (resume, admin restore)."""
-        if session_id in self._entries:
+        if session_id in self._entries or session_id in self._arriving:
             return "device"
         prompt = tuple(conversation_ids)
         if not prompt:
             return "none"
         async with self._room:
-            if session_id in self._entries:
+            if session_id in self._entries or session_id in self._arriving:
                 return "device"
             lease = await self._try_restore(session_id, prompt, len(prompt) + SPARE_TOKENS,
                                             reuse_limit=len(prompt))
