@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from chatd.engine.kvcache import SessionKV, appending, attend
+from chatd.engine.native import DecodeAttention
 from chatd.engine.quant import GGUFWeights
 
 # Model types whose forward this module has been checked to reproduce (tests/test_llama_forward.py);
@@ -211,6 +212,9 @@ class LlamaForward:
         self.sin = table.sin().to(device)
         self.scale = s.head_dim ** -0.5
         self.group = s.num_heads // s.num_kv_heads
+        # The native kernel for the single-token runs of a step (chatd/engine/native.py), set by the loader
+        # where it builds and fits the pool (CPU, fp32 K/V); None: every run attends through torch.
+        self.decode_attention: DecodeAttention | None = None
 
     # ------------------------------------------------------------------ pieces
 
@@ -265,15 +269,30 @@ class LlamaForward:
             # single new token sees everything, so needs no mask.
             masks = [None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device)
                      .tril(diagonal=start).repeat(self.group, 1) for start, n in zip(starts, lengths, strict=True)]
-            views = [cache.run_views() for cache in caches]
             bounds = list(itertools.accumulate(lengths, initial=0))
+            # Single-token runs (decode) attend in one native call per layer for all of them, straight from
+            # their block tables; prompt chunks (and every run without the kernel) attend through torch.
+            kernel = self.decode_attention
+            natives = [run for run, n in enumerate(lengths) if n == 1] if kernel is not None else []
+            others = sorted(set(range(len(runs))) - set(natives))
+            views = {run: caches[run].run_views() for run in others}
+            if natives:
+                tables, rows, visible = _decode_tables(caches, natives, starts, bounds, pool.block_size)
+            rows_total = bounds[-1]
             for index, layer in enumerate(self.weights.layers):
                 q, k, v = self._qkv(layer, h, rope)
                 pool.write(index, step.slots, k, v)
-                outs = [self._attend([(keys[index], values[index]) for keys, values in views[run]],
-                                     q[bounds[run]:bounds[run + 1]], masks[run])
-                        for run in range(len(runs))]
-                out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [rows, heads * head_dim]
+                if len(others) == len(runs) == 1:
+                    out = self._attend(_layer_runs(views[0], index), q, masks[0])
+                else:
+                    out = torch.empty(rows_total, self.shape.num_heads * self.shape.head_dim, device=self.device)
+                    if natives:
+                        assert kernel is not None
+                        layer_kv = pool.tensors.kv[index]
+                        kernel(q, out, rows, layer_kv[0], layer_kv[1], tables, visible, self.scale)
+                    for run in others:
+                        out[bounds[run]:bounds[run + 1]] = self._attend(
+                            _layer_runs(views[run], index), q[bounds[run]:bounds[run + 1]], masks[run])
                 h = h + layer.o(out)
                 h = h + self._mlp(layer, h)
             last = torch.tensor(bounds[1:], device=self.device) - 1
@@ -301,6 +320,24 @@ class LlamaForward:
     def decode(self, caches: Sequence[SessionKV], token_ids: Sequence[int]) -> torch.Tensor:
         """Feed one token to each cache in one pass; return logits ``[batch, vocab]`` fp32."""
         return self.step(caches, [[token] for token in token_ids])
+
+
+def _layer_runs(views: list[tuple[list[torch.Tensor], list[torch.Tensor]]], layer: int
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(keys[layer], values[layer]) for keys, values in views]
+
+
+def _decode_tables(caches: Sequence[SessionKV], runs: Sequence[int], starts: Sequence[int], bounds: Sequence[int],
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the native decode attention: the block tables of ``runs`` (int32, padded with 0), their rows in
+    the step, and how many positions each attends (its cache and the new token)."""
+    visible = [starts[run] + 1 for run in runs]
+    used = [-(-n // block_size) for n in visible]
+    width = max(used)
+    tables = torch.tensor([[*caches[run].block_ids[:count], *[0] * (width - count)]
+                           for run, count in zip(runs, used, strict=True)], dtype=torch.int32)
+    rows = torch.tensor([bounds[run] for run in runs], dtype=torch.int32)
+    return tables, rows, torch.tensor(visible, dtype=torch.int32)
 
 
 def bf16_matmul_is_fast() -> bool:

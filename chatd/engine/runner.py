@@ -37,7 +37,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.utils import logging as hf_logging
 
 from chatd.config import ModelSettings
-from chatd.engine.kvcache import KVPool, SessionKV, any_layer_kv, appending
+from chatd.engine.kvcache import BLOCK_SIZE, KVPool, SessionKV, any_layer_kv, appending
 from chatd.engine.llama import (
     DenseLinear,
     Int8Linear,
@@ -48,6 +48,7 @@ from chatd.engine.llama import (
     weights_from_gguf,
     weights_from_transformers,
 )
+from chatd.engine.native import load_decode_attention
 from chatd.engine.quant import load_gguf_weights
 from chatd.errors import ConfigError
 
@@ -358,6 +359,11 @@ class ModelRunner:
             forward = gguf_forward(device, model)
         elif weights != "transformers":
             forward = compact_forward(model, weights, device)
+        if forward is not None and device.type == "cpu" and dtype == torch.float32:
+            kernel = load_decode_attention(data_dir / "native")
+            shape = forward.shape
+            if kernel is not None and kernel.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim, BLOCK_SIZE):
+                forward.decode_attention = kernel
         if weights not in ("transformers", "float32"):
             # K/V computed with other weights differ: their snapshots must never mix.
             weights_hash = f"{weights_hash}+{weights}"

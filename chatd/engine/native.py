@@ -1,0 +1,135 @@
+"""The engine's native CPU kernel: decode attention over the paged KV pool (``decode_attention.c``).
+
+It is compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for this very CPU
+(``-march=native``), cached under ``<data_dir>/native`` by a hash of the source, the flags, the compiler
+and the CPU, and loaded with ctypes; a restart loads the cached library. Where no compiler is found or
+the build fails, :func:`load_decode_attention` says why in the log and returns None, and the engine keeps
+its torch path (one SDPA call per session).
+
+The library is linked against ``libgomp.so.1``, which torch has already loaded by then: the dynamic
+loader reuses it, so the kernel's threads are torch's own thread pool and honour
+``torch.set_num_threads``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+# -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
+# given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
+# to flush-to-zero for denormals, which changes torch's own arithmetic.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
+LINK_FLAGS = ("-shared", "-fopenmp")
+BUILD_TIMEOUT_S = 120
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(cache_dir: Path) -> Path:
+    """The compiled library for this machine, building it into ``cache_dir`` unless it is there already.
+    Raises RuntimeError (no compiler, or the build failed)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install cc)")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30,
+                                 check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"the C compiler {compiler} does not run: {exc}") from None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, platform.machine(),
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    target = cache_dir / f"decode_attention-{key}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+        built = Path(scratch) / target.name
+        obj = built.with_suffix(".o")
+        for command in ([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)],
+                        [compiler, *LINK_FLAGS, str(obj), "-o", str(built), "-lm"]):
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise RuntimeError(f"building {SOURCE.name} failed: {exc}") from None
+            if result.returncode != 0:
+                raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent start sees the whole library or none
+    log.info("built the native decode-attention kernel: %s", target)
+    return target
+
+
+class DecodeAttention:
+    """Decode attention for rows of one new token each, over the pool's fp32 K/V, in one call per layer."""
+
+    def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))
+        self._fn = lib.chatd_decode_attention
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._fn.argtypes = [p, i64, p, p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        self._fn.restype = None
+        self._limits = lib.chatd_decode_attention_limits
+        self._limits.argtypes = [i32, i32, i32]
+        self._limits.restype = i32
+
+    def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+        return num_heads % num_kv_heads == 0 and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
+
+    def __call__(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> None:
+        """Write the attention of query rows ``rows`` of ``q`` ``[n, heads, head_dim]`` (heads contiguous)
+        into the same rows of ``out`` ``[n, heads * head_dim]`` (contiguous).
+
+        ``keys``, ``values``: one layer of the pool, ``[kv_heads, num_blocks, block_size, head_dim]``
+        contiguous fp32. ``tables``: int32 ``[len(rows), max_blocks]`` block ids; ``lengths``: int32
+        ``[len(rows)]`` positions each row attends (its new token included, already written)."""
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, num_blocks, block_size = keys.shape[0], keys.shape[1], keys.shape[2]
+        if not (q.dtype == keys.dtype == values.dtype == out.dtype == torch.float32 and q.stride(1) == head_dim
+                and q.stride(2) == 1 and out.is_contiguous() and keys.is_contiguous() and values.is_contiguous()
+                and rows.dtype == tables.dtype == lengths.dtype == torch.int32 and tables.is_contiguous()):
+            raise ValueError("decode attention: unexpected dtypes or layouts")
+        self._fn(q.data_ptr(), q.stride(0), rows.data_ptr(), out.data_ptr(), rows.data_ptr(), keys.data_ptr(),
+                 values.data_ptr(), num_blocks * block_size * head_dim, tables.data_ptr(), tables.shape[1],
+                 lengths.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
+                 torch.get_num_threads())
+
+
+_loaded: dict[Path, DecodeAttention | None] = {}
+
+
+def load_decode_attention(cache_dir: Path) -> DecodeAttention | None:
+    """The kernel built for this machine (once per process and ``cache_dir``), or None when it cannot be
+    built here (logged)."""
+    if cache_dir not in _loaded:
+        try:
+            _loaded[cache_dir] = DecodeAttention(build(cache_dir))
+        except (RuntimeError, OSError) as exc:
+            log.warning("native decode attention unavailable, using torch's attention per session: %s", exc)
+            _loaded[cache_dir] = None
+    return _loaded[cache_dir]
