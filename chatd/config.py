@@ -46,8 +46,8 @@ class ModelSettings(_Section):
     """torch intra-op threads (prefill, and decode unless ``decode_threads`` says otherwise); 0 keeps torch's
     default (one per core)."""
     decode_threads: int = Field(default=0, ge=0, le=256)
-    """torch threads for decode steps; 0 = auto: one fewer than ``threads`` resolves to (at least 1), so
-    the event loop keeps a core: a decode step's many small parallel regions stall when it has none."""
+    """torch threads for decode steps; 0 = auto: as many as ``threads`` resolves to. A smaller number
+    leaves cores to the event loop and the snapshot threads, at the cost of decode speed."""
     max_context: int = Field(default=0, ge=0)
     """Cap on the context length in tokens; 0 uses the model's own limit."""
     prefill_chunk_tokens: int = Field(default=256, ge=16, le=65536)

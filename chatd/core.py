@@ -8,7 +8,6 @@ the server's lifespan, the terminal chat and the tests all use this one path. Th
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +21,7 @@ from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
 from chatd.domain import SessionRecord, Tier, is_session_id
 from chatd.engine.runner import ModelRunner
+from chatd.engine.threads import run_in_passing_thread
 from chatd.engine.worker import EngineWorker
 from chatd.errors import BadRequest, NotFound
 from chatd.kv.manager import KVManager
@@ -117,14 +117,15 @@ class Chatd:
         settings.data_path.mkdir(parents=True, exist_ok=True)
         await db.upgrade_async(settings.store_url)
         budget_bytes = int(settings.cache.device_budget_mb * 1024 * 1024)
+        warm = runner is None
         if runner is None:
             phase("loading model")
-            runner = await asyncio.to_thread(ModelRunner.load, settings.model, settings.data_path)
+            # Torch's parallel work belongs to the engine thread (chatd/engine/threads.py): the load runs in a
+            # thread that ends afterwards, the warm-up on the engine thread below.
+            settings_model, data_path = settings.model, settings.data_path
+            runner = await run_in_passing_thread(lambda: ModelRunner.load(settings_model, data_path),
+                                                 "chatd-load")
             runner.configure_pool(budget_bytes)
-            phase("warming up")
-            log.info("warming up the engine")
-            warm_s = await asyncio.to_thread(runner.warm_up, settings.model.max_batch_size)
-            log.info("engine warm in %.1f s", warm_s)
         else:
             # A shared, already loaded model (tests): this server gets its own KV pool, and still honours its
             # configuration's context cap.
@@ -141,6 +142,15 @@ class Chatd:
                               prefill_chunk_tokens=settings.model.prefill_chunk_tokens,
                               max_batch_size=settings.model.max_batch_size, counters=counters)
         worker.start()
+        if warm:
+            log.info("warming up the engine")
+            warmed = runner
+            try:
+                warm_s = await worker.call(lambda: warmed.warm_up(settings.model.max_batch_size))
+            except BaseException:
+                worker.stop()
+                raise
+            log.info("engine warm in %.1f s", warm_s)
         snapshots = SnapshotService(settings.cache, settings.snapshot_path, repo, runner.info, counters=counters)
         kv = KVManager(worker, runner.info, settings.cache, snapshots, counters=counters)
         turns = TurnRunner(settings, repo, ChatTemplate(runner.tokenizer), runner.info, worker, kv, counters)

@@ -136,7 +136,8 @@ async def test_small_steps_run_on_the_decode_thread_count(tiny_runner: ModelRunn
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        worker = EngineWorker(tiny_runner)  # decode_threads 0: one fewer than prefill's
+        assert EngineWorker(tiny_runner).decode_threads == 2  # 0 (auto): as many as prefill's
+        worker = EngineWorker(tiny_runner, decode_threads=1)
         assert (worker.prefill_threads, worker.decode_threads) == (2, 1)
         worker.start()
         try:

@@ -28,6 +28,7 @@ from chatd.config import CacheSettings
 from chatd.domain import SnapshotRecord
 from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelInfo
+from chatd.engine.threads import confine_to_one_thread
 from chatd.errors import SnapshotModelMismatch
 from chatd.kv import policy
 from chatd.kv.snapshot import ModelFingerprint, allocate_targets, read_info, read_snapshot, write_snapshot
@@ -81,7 +82,9 @@ class SnapshotService:
             prefill_tokens_per_s=_INITIAL_PREFILL_TPS.get(info.device.type, 300.0),
             restore_bytes_per_s=_INITIAL_RESTORE_BPS)
         self._records: dict[str, SnapshotRecord] = {}
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatd-snapshot-io")
+        # Its tensor copies run on itself alone: torch's parallel regions belong to the engine thread.
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatd-snapshot-io",
+                                      initializer=confine_to_one_thread)
         self.counters = counters if counters is not None else Counters()
 
     async def _in_io(self, fn: Callable[..., T], *args: object) -> T:

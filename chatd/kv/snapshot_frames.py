@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import zstandard
 
+from chatd.engine.threads import confine_to_one_thread
 from chatd.errors import SnapshotCorrupt, SnapshotTruncated
 
 Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -236,7 +237,8 @@ class BodyDecoder:
         if self._threads <= 1:
             self._work()
         else:
-            with ThreadPoolExecutor(self._threads - 1, thread_name_prefix="chatd-snapshot-decode") as pool:
+            with ThreadPoolExecutor(self._threads - 1, thread_name_prefix="chatd-snapshot-decode",
+                                    initializer=confine_to_one_thread) as pool:
                 helpers = [pool.submit(self._work) for _ in range(self._threads - 1)]
                 try:
                     self._work()
