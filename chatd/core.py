@@ -144,9 +144,8 @@ class Chatd:
         worker.start()
         if warm:
             log.info("warming up the engine")
-            warmed = runner
             try:
-                warm_s = await worker.call(lambda: warmed.warm_up(settings.model.max_batch_size))
+                warm_s = await worker.warm_up(settings.model.max_batch_size)
             except BaseException:
                 worker.stop()
                 raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import struct
+import threading
 import zlib
 from collections.abc import Callable
 
@@ -576,3 +577,16 @@ def test_bad_writer_arguments_are_value_errors_before_any_write() -> None:
         with pytest.raises(ValueError):
             call(out)
         assert out.getvalue() == b""
+
+
+def test_each_decode_helper_runs_the_callers_thread_setup_first() -> None:
+    # The service passes chatd.engine.threads.confine_to_one_thread: helpers must not start OpenMP teams.
+    fp = fingerprint(num_layers=4)
+    layers = kv_like(fp, 100, seed=11)
+    data = encode(fp, list(range(100)), layers)
+    targets = allocate_targets(fp, 100)
+    seen: list[str] = []
+    read_snapshot(io.BytesIO(data), expected=fp, expected_ids=None, targets=targets, threads=3,
+                  thread_setup=lambda: seen.append(threading.current_thread().name))
+    assert_bit_equal(targets, layers)
+    assert len(seen) == 2 and all(name.startswith("chatd-snapshot-decode") for name in seen)

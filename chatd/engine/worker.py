@@ -186,6 +186,11 @@ class EngineWorker:
         # Shield: once queued the call runs anyway; a cancelled caller must not lose track of it.
         return await asyncio.shield(self.submit(fn))
 
+    async def warm_up(self, max_batch_size: int) -> float:
+        """Run the runner's warm-up on the worker thread, the one that runs every later step (its kernels'
+        one-time set-up, and torch's OpenMP threads, belong to it); returns seconds."""
+        return await self.call(lambda: self.runner.warm_up(max_batch_size))
+
     def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Queue ``fn()`` for the worker thread now (calls run in the order they are queued, between
         steps) and return a future of its result. Unlike :meth:`call`, the queueing happens before the

@@ -226,7 +226,8 @@ def restore_targets(cache: SessionKV, token_ids: Sequence[int], fingerprint: Mod
 def read_snapshot_file(path: Path, fingerprint: ModelFingerprint, token_ids: Sequence[int], targets: Layers) -> int:
     """I/O thread. Decode the snapshot file at ``path`` into ``targets``; return the file's size."""
     with path.open("rb") as f:
-        read_snapshot(f, expected=fingerprint, expected_ids=token_ids, targets=targets)
+        read_snapshot(f, expected=fingerprint, expected_ids=token_ids, targets=targets,
+                      thread_setup=confine_to_one_thread)
         return f.tell()
 
 

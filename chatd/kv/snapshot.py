@@ -18,7 +18,7 @@ import json
 import operator
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import BinaryIO
 
@@ -322,6 +322,7 @@ def read_snapshot(
     expected_ids: Sequence[int] | None,
     targets: Layers,
     threads: int | None = None,
+    thread_setup: Callable[[], None] | None = None,
 ) -> SnapshotInfo:
     """Validate a snapshot and decode its body straight into the preallocated ``targets``.
 
@@ -336,7 +337,8 @@ def read_snapshot(
 
     A version 2 body is read sequentially from ``inp`` on the calling thread and decoded on
     ``threads`` worker threads (1: on the calling thread; None: the CPUs available, at most 8, or
-    the calling thread alone for bodies under 4 MiB); no worker outlives the call. Errors are
+    the calling thread alone for bodies under 4 MiB), each of which runs ``thread_setup`` first; no
+    worker outlives the call. Errors are
     reported as a sequential reader meets them: the lowest-numbered bad frame's. Version 1 bodies
     always decode on the calling thread.
     """
@@ -360,5 +362,5 @@ def read_snapshot(
         workers = default_threads() if body_bytes >= PARALLEL_MIN_BYTES else 1
     else:
         workers = threads
-    BodyDecoder(inp, targets, *shape, store_dtype, workers).decode()
+    BodyDecoder(inp, targets, *shape, store_dtype, workers, thread_setup).decode()
     return info

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import zstandard
 
-from chatd.engine.threads import confine_to_one_thread
 from chatd.errors import SnapshotCorrupt, SnapshotTruncated
 
 Layers = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -218,7 +217,7 @@ class BodyDecoder:
     :meth:`decode` returns or raises."""
 
     def __init__(self, inp: BinaryIO, targets: Layers, num_kv_heads: int, num_tokens: int, head_dim: int,
-                 store_dtype: torch.dtype, threads: int) -> None:
+                 store_dtype: torch.dtype, threads: int, thread_setup: Callable[[], None] | None = None) -> None:
         self._inp = inp
         self._slabs = list(slabs(targets, num_kv_heads))
         self._store_dtype = store_dtype
@@ -228,6 +227,7 @@ class BodyDecoder:
         self._worker = _Worker(self._max_frame, (element_size, num_tokens * head_dim), (num_tokens, head_dim),
                                store_dtype)
         self._threads = threads
+        self._thread_setup = thread_setup  # run first on each helper thread
         self._lock = threading.Lock()  # guards the stream and the fields below
         self._next = 0  # the next frame to read
         self._errors: dict[int, BaseException] = {}  # frame index -> what went wrong there
@@ -238,7 +238,7 @@ class BodyDecoder:
             self._work()
         else:
             with ThreadPoolExecutor(self._threads - 1, thread_name_prefix="chatd-snapshot-decode",
-                                    initializer=confine_to_one_thread) as pool:
+                                    initializer=self._thread_setup) as pool:
                 helpers = [pool.submit(self._work) for _ in range(self._threads - 1)]
                 try:
                     self._work()
