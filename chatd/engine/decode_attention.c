@@ -1,5 +1,6 @@
-/* Decode attention over chatd's paged KV pool, for the CPU: one query token per sequence, every sequence
- * of a step in one call (chatd/engine/native.py builds and loads this file).
+/* chatd's native CPU kernels for one layer of a forward step (chatd/engine/native.py builds and loads
+ * this file): RoPE with the K/V write into the paged pool (chatd_rope_write, at the end), and decode
+ * attention over the pool, one query token per sequence, every sequence of a step in one call.
  *
  * The pool of one layer holds K and V per KV head as a flat matrix of slots, [num_blocks * block_size,
  * head_dim] (chatd/engine/paged.py); a sequence's positions are the slots of its block table, in order.
@@ -102,5 +103,47 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
         float *o = out + (int64_t)out_rows[r] * num_heads * head_dim + (int64_t)h * group * head_dim;
         attend_pair(qr, head_dim, o, keys + h * head_stride, values + h * head_stride,
                     tables + (int64_t)r * table_stride, lengths[r], group, head_dim, block_size, scale);
+    }
+}
+
+/* RoPE and the K/V write of one layer for every row of a step, in one call (the torch path: five
+ * element-wise ops and two indexed copies per layer).
+ *
+ * qkv: rows of [num_heads + 2 * num_kv_heads, head_dim] (Q heads, then K, then V), row stride row_stride
+ * elements; the Q and K heads are rotated in place at the row's position, in transformers' half-split
+ * convention (element j pairs with j + head_dim / 2), with cos / sin tables [max_positions, head_dim].
+ * Then the row's K and V heads are copied into this layer's pool at the row's slot (head h of K at
+ * keys + h * head_stride + slot * head_dim). Products are rounded before they are added, as torch's
+ * separate multiplications and addition do, so the cache holds the same bits as on the torch path. */
+__attribute__((optimize("no-fast-math", "fp-contract=off")))
+void chatd_rope_write(float *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
+                      const float *sin_table, float *keys, float *values, int64_t head_stride,
+                      const int64_t *slots, int rows, int num_heads, int num_kv_heads, int head_dim,
+                      int num_threads)
+{
+    const int half = head_dim / 2, rotated = num_heads + num_kv_heads;
+#pragma omp parallel for num_threads(num_threads) if (rows >= 64)
+    for (int r = 0; r < rows; r++) {
+        float *row = qkv + (int64_t)r * row_stride;
+        const float *c = cos_table + positions[r] * head_dim, *s = sin_table + positions[r] * head_dim;
+        for (int h = 0; h < rotated; h++) {
+            float *x = row + (int64_t)h * head_dim;
+            for (int j = 0; j < half; j++) {
+                const float a = x[j], b = x[j + half];
+                const float a_cos = a * c[j], b_sin = b * s[j], b_cos = b * c[j + half], a_sin = a * s[j + half];
+                x[j] = a_cos - b_sin;
+                x[j + half] = b_cos + a_sin;
+            }
+        }
+        const int64_t at = slots[r] * head_dim;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const float *k = row + (int64_t)(num_heads + h) * head_dim;
+            const float *v = row + (int64_t)(rotated + h) * head_dim;
+            float *kd = keys + h * head_stride + at, *vd = values + h * head_stride + at;
+            for (int d = 0; d < head_dim; d++) {
+                kd[d] = k[d];
+                vd[d] = v[d];
+            }
+        }
     }
 }

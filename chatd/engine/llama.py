@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from chatd.engine.kvcache import SessionKV, appending, attend
-from chatd.engine.native import DecodeAttention
+from chatd.engine.native import EngineKernels
 from chatd.engine.quant import GGUFWeights
 
 # Model types whose forward this module has been checked to reproduce (tests/test_llama_forward.py);
@@ -212,9 +212,10 @@ class LlamaForward:
         self.sin = table.sin().to(device)
         self.scale = s.head_dim ** -0.5
         self.group = s.num_heads // s.num_kv_heads
-        # The native kernel for the single-token runs of a step (chatd/engine/native.py), set by the loader
-        # where it builds and fits the pool (CPU, fp32 K/V); None: every run attends through torch.
-        self.decode_attention: DecodeAttention | None = None
+        # Native kernels (chatd/engine/native.py), set by the loader where they build and fit the pool (CPU,
+        # fp32 K/V): RoPE with the K/V write for every row, and the attention of single-token runs. None:
+        # torch's ops alone.
+        self.kernels: EngineKernels | None = None
 
     # ------------------------------------------------------------------ pieces
 
@@ -264,7 +265,8 @@ class LlamaForward:
             ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
             positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lengths, strict=True)])
             h = self.weights.embed(ids)  # [rows, hidden] fp32
-            rope = self._rope_table(positions.to(self.device))
+            kernels = self.kernels
+            rope = self._rope_table(positions.to(self.device)) if kernels is None else None
             # Causal over the cached prefix and the run itself: new token j sees positions <= start + j. A
             # single new token sees everything, so needs no mask.
             masks = [None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device)
@@ -272,24 +274,35 @@ class LlamaForward:
             bounds = list(itertools.accumulate(lengths, initial=0))
             # Single-token runs (decode) attend in one native call per layer for all of them, straight from
             # their block tables; prompt chunks (and every run without the kernel) attend through torch.
-            kernel = self.decode_attention
-            natives = [run for run, n in enumerate(lengths) if n == 1] if kernel is not None else []
+            natives = [run for run, n in enumerate(lengths) if n == 1] if kernels is not None else []
             others = sorted(set(range(len(runs))) - set(natives))
             views = {run: caches[run].run_views() for run in others}
             if natives:
                 tables, rows, visible = _decode_tables(caches, natives, starts, bounds, pool.block_size)
             rows_total = bounds[-1]
+            if kernels is not None:
+                positions = positions.to(device=self.device, dtype=torch.int64).contiguous()
+                slots = step.slots.to(torch.int64).contiguous()
+            s = self.shape
             for index, layer in enumerate(self.weights.layers):
-                q, k, v = self._qkv(layer, h, rope)
-                pool.write(index, step.slots, k, v)
+                if kernels is not None:
+                    qkv = layer.qkv(_rms_norm(h, layer.attn_norm, s.rms_norm_eps)).contiguous()
+                    layer_kv = pool.tensors.kv[index]
+                    kernels.rope_write(qkv, s.num_heads, positions, self.cos, self.sin, layer_kv[0], layer_kv[1],
+                                       slots)
+                    q = qkv[:, :s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)
+                else:
+                    assert rope is not None
+                    q, k, v = self._qkv(layer, h, rope)
+                    pool.write(index, step.slots, k, v)
                 if len(others) == len(runs) == 1:
                     out = self._attend(_layer_runs(views[0], index), q, masks[0])
                 else:
                     out = torch.empty(rows_total, self.shape.num_heads * self.shape.head_dim, device=self.device)
                     if natives:
-                        assert kernel is not None
+                        assert kernels is not None
                         layer_kv = pool.tensors.kv[index]
-                        kernel(q, out, rows, layer_kv[0], layer_kv[1], tables, visible, self.scale)
+                        kernels.decode_attention(q, out, rows, layer_kv[0], layer_kv[1], tables, visible, self.scale)
                     for run in others:
                         out[bounds[run]:bounds[run + 1]] = self._attend(
                             _layer_runs(views[run], index), q[bounds[run]:bounds[run + 1]], masks[run])

@@ -1,9 +1,10 @@
-"""The engine's native CPU kernel: decode attention over the paged KV pool (``decode_attention.c``).
+"""The engine's native CPU kernels (``decode_attention.c``): RoPE with the K/V write into the paged pool,
+and decode attention over it.
 
 It is compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for this very CPU
 (``-march=native``), cached under ``<data_dir>/native`` by a hash of the source, the flags, the compiler
 and the CPU, and loaded with ctypes; a restart loads the cached library. Where no compiler is found or
-the build fails, :func:`load_decode_attention` says why in the log and returns None, and the engine keeps
+the build fails, :func:`load_kernels` says why in the log and returns None, and the engine keeps
 its torch path (one SDPA call per session).
 
 The library is linked against ``libgomp.so.1``, which torch has already loaded by then: the dynamic
@@ -64,7 +65,7 @@ def build(cache_dir: Path) -> Path:
         raise RuntimeError(f"the C compiler {compiler} does not run: {exc}") from None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
-    target = cache_dir / f"decode_attention-{key}.so"
+    target = cache_dir / f"engine-kernels-{key}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -80,19 +81,22 @@ def build(cache_dir: Path) -> Path:
             if result.returncode != 0:
                 raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a concurrent start sees the whole library or none
-    log.info("built the native decode-attention kernel: %s", target)
+    log.info("built the native engine kernels: %s", target)
     return target
 
 
-class DecodeAttention:
-    """Decode attention for rows of one new token each, over the pool's fp32 K/V, in one call per layer."""
+class EngineKernels:
+    """The compact forward's native steps over the pool's fp32 K/V, each one call per layer for all rows."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
-        self._fn = lib.chatd_decode_attention
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._fn = lib.chatd_decode_attention
         self._fn.argtypes = [p, i64, p, p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
         self._fn.restype = None
+        self._rope_write = lib.chatd_rope_write
+        self._rope_write.argtypes = [p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32]
+        self._rope_write.restype = None
         self._limits = lib.chatd_decode_attention_limits
         self._limits.argtypes = [i32, i32, i32]
         self._limits.restype = i32
@@ -100,8 +104,25 @@ class DecodeAttention:
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
         return num_heads % num_kv_heads == 0 and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
 
-    def __call__(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> None:
+    def rope_write(self, qkv: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rotate the Q and K heads of ``qkv`` ``[rows, (heads + 2 * kv_heads) * head_dim]`` (contiguous fp32)
+        in place at ``positions`` (int64 ``[rows]``; ``cos`` / ``sin`` ``[max_positions, head_dim]``, the
+        half-split convention), and copy each row's K and V heads into this layer's pool ``keys`` / ``values``
+        (``[kv_heads, num_blocks, block_size, head_dim]``) at ``slots`` (int64 ``[rows]``). Bit for bit what
+        the torch path computes."""
+        num_kv_heads, num_blocks, block_size, head_dim = keys.shape
+        if not (qkv.dtype == cos.dtype == sin.dtype == keys.dtype == values.dtype == torch.float32
+                and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and keys.is_contiguous()
+                and values.is_contiguous() and positions.dtype == slots.dtype == torch.int64
+                and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim):
+            raise ValueError("rope_write: unexpected dtypes or layouts")
+        self._rope_write(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                         keys.data_ptr(), values.data_ptr(), num_blocks * block_size * head_dim, slots.data_ptr(),
+                         qkv.shape[0], num_heads, num_kv_heads, head_dim, torch.get_num_threads())
+
+    def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+                         values: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> None:
         """Write the attention of query rows ``rows`` of ``q`` ``[n, heads, head_dim]`` (heads contiguous)
         into the same rows of ``out`` ``[n, heads * head_dim]`` (contiguous).
 
@@ -120,16 +141,16 @@ class DecodeAttention:
                  torch.get_num_threads())
 
 
-_loaded: dict[Path, DecodeAttention | None] = {}
+_loaded: dict[Path, EngineKernels | None] = {}
 
 
-def load_decode_attention(cache_dir: Path) -> DecodeAttention | None:
-    """The kernel built for this machine (once per process and ``cache_dir``), or None when it cannot be
+def load_kernels(cache_dir: Path) -> EngineKernels | None:
+    """The kernels built for this machine (once per process and ``cache_dir``), or None when they cannot be
     built here (logged)."""
     if cache_dir not in _loaded:
         try:
-            _loaded[cache_dir] = DecodeAttention(build(cache_dir))
+            _loaded[cache_dir] = EngineKernels(build(cache_dir))
         except (RuntimeError, OSError) as exc:
-            log.warning("native decode attention unavailable, using torch's attention per session: %s", exc)
+            log.warning("native kernels unavailable, the engine uses torch's ops alone: %s", exc)
             _loaded[cache_dir] = None
     return _loaded[cache_dir]

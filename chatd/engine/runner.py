@@ -48,7 +48,7 @@ from chatd.engine.llama import (
     weights_from_gguf,
     weights_from_transformers,
 )
-from chatd.engine.native import load_decode_attention
+from chatd.engine.native import load_kernels
 from chatd.engine.quant import load_gguf_weights
 from chatd.errors import ConfigError
 
@@ -360,10 +360,11 @@ class ModelRunner:
         elif weights != "transformers":
             forward = compact_forward(model, weights, device)
         if forward is not None and device.type == "cpu" and dtype == torch.float32:
-            kernel = load_decode_attention(data_dir / "native")
+            kernels = load_kernels(data_dir / "native")
             shape = forward.shape
-            if kernel is not None and kernel.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim, BLOCK_SIZE):
-                forward.decode_attention = kernel
+            if kernels is not None and kernels.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                                        BLOCK_SIZE):
+                forward.kernels = kernels
         if weights not in ("transformers", "float32"):
             # K/V computed with other weights differ: their snapshots must never mix.
             weights_hash = f"{weights_hash}+{weights}"
