@@ -66,9 +66,11 @@ fi
 
 if [[ $want_test == 1 ]]; then
     # Browser tests drive Debian's Chromium; store tests also run against a throwaway PostgreSQL
-    # cluster that the tests start themselves (only the server binaries are needed).
+    # cluster that the tests start themselves (only the server binaries are needed); the engine's native
+    # kernels (chatd/engine/native.py) are built with the machine's C compiler, and tested.
     missing=()
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
     compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
     if (( ${#missing[@]} )); then
         echo "setup: installing ${missing[*]} from Debian"

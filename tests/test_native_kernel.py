@@ -19,7 +19,7 @@ from chatd.engine.runner import ModelRunner
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> EngineKernels:
     loaded = load_kernels(tmp_path_factory.mktemp("native"))
-    assert loaded is not None, "the test machine has a C compiler (README: make test installs nothing else)"
+    assert loaded is not None, "the test machine has a C compiler (make test installs one: scripts/setup.sh)"
     return loaded
 
 
