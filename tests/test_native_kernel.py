@@ -130,3 +130,19 @@ def test_rope_and_the_kv_write_are_bit_for_bit_the_torch_paths(real_runner: Mode
         assert torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(native_kv, torch_kv, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_a_position_past_the_rope_table_is_refused_and_changes_nothing(tiny_runner: ModelRunner) -> None:
+    forward = tiny_runner.forward
+    assert forward is not None and forward.kernels is not None
+    limit = forward.cos.shape[0]
+    cache = tiny_runner.new_cache()
+    try:
+        tiny_runner.prefill(cache, [5] * (limit - 2))
+        with pytest.raises(IndexError, match="RoPE positions"):
+            tiny_runner.prefill(cache, [6, 7, 8])
+        assert cache.length == limit - 2  # the step was aborted: nothing appended
+        tiny_runner.prefill(cache, [6, 7])  # up to the last position is fine
+        assert cache.length == limit
+    finally:
+        cache.free()

@@ -281,6 +281,9 @@ class LlamaForward:
                 tables, rows, visible = _decode_tables(caches, natives, starts, bounds, pool.block_size)
             rows_total = bounds[-1]
             if kernels is not None:
+                # The kernel reads the RoPE tables unchecked (torch's lookup would raise): check the range once.
+                if max(start + n for start, n in zip(starts, lengths, strict=True)) > self.cos.shape[0]:
+                    raise IndexError(f"a position past the model's {self.cos.shape[0]} RoPE positions")
                 positions = positions.to(device=self.device, dtype=torch.int64).contiguous()
                 slots = step.slots.to(torch.int64).contiguous()
             s = self.shape
