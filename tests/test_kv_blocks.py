@@ -7,6 +7,7 @@ tests check what the tensor side would read, not just the bookkeeping.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Sequence
 
 import pytest
@@ -688,8 +689,6 @@ def test_verify_catches_a_spare_held_twice() -> None:
 
 
 def test_stats_can_be_read_while_another_thread_changes_the_tables() -> None:
-    import threading
-
     allocator = BlockAllocator(64, BS, salt="s")
     stop = threading.Event()
     failures: list[BaseException] = []

@@ -278,3 +278,20 @@ async def test_room_queued_for_new_caches_counts_before_the_engine_makes_them(
         kv.release(second)
         kv.release(third)
         await _verify(core)
+
+
+async def test_a_cancelled_new_session_gives_back_the_cache_the_engine_made_anyway(tiny_core: Chatd) -> None:
+    kv, pool = tiny_core.kv, tiny_core.runner.pool
+    gate = _hold_engine(tiny_core)
+    acquire = asyncio.ensure_future(kv.acquire("gone", list(range(10, 50)), 20))
+    await _until(lambda: tiny_core.worker._inbox.qsize() == 1)
+    acquire.cancel()
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await acquire
+    await _until(lambda: pool.stats().num_used_blocks == 0)
+    assert not kv.is_resident("gone")
+    # Its room is counted free again: a turn that needs the whole budget still fits.
+    lease = await kv.acquire("next", list(range(10, 50)), kv.max_tokens_for_budget() - 40)
+    kv.release(lease)
+    await _verify(tiny_core)

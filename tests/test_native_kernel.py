@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatd.engine import native
 from chatd.engine.kvcache import KVPool, attend
 from chatd.engine.native import EngineKernels, build, load_kernels
 from chatd.engine.runner import ModelRunner
@@ -44,7 +43,6 @@ def test_without_a_compiler_the_engine_keeps_torch_attention(tmp_path: Path, mon
         assert load_kernels(tmp_path / "cache") is None
     assert "native kernels unavailable" in caplog.text
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
-    native._loaded.clear()
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4), (8, 1)])

@@ -637,26 +637,29 @@ class BlockAllocator:
         refs = [0] * self.num_blocks
         size = self.block_size
         for table in self._tables.values():
-            _check(table._live, f"{table} is in the registry but dead")
+            name = repr(table)  # once: the messages below are built whether or not a check fails
+            _check(table._live, f"{name} is in the registry but dead")
             held = [*table._block_ids, *table._spare_ids]
-            _check(len(set(held)) == len(held), f"{table} holds a block twice (spares included)")
+            _check(len(set(held)) == len(held), f"{name} holds a block twice (spares included)")
             for block_id in table._spare_ids:
                 refs[block_id] += 1
-                _check(self._ref_counts[block_id] == 1, f"{table} spare {block_id} is held by another table")
-                _check(self._block_hashes[block_id] is None, f"{table} spare {block_id} is registered")
-            _check(len(table._block_ids) == num_blocks_for(table.num_tokens, size), f"{table} block count")
-            _check(table._num_computed <= table.num_tokens, f"{table} computed past its end")
-            _check(len(table._block_hashes) == table._num_computed // size, f"{table} hash count")
+            shared = [b for b in table._spare_ids if self._ref_counts[b] != 1]
+            _check(not shared, f"{name} spares {shared} are held by another table")
+            registered_spares = [b for b in table._spare_ids if self._block_hashes[b] is not None]
+            _check(not registered_spares, f"{name} spares {registered_spares} are registered")
+            _check(len(table._block_ids) == num_blocks_for(table.num_tokens, size), f"{name} block count")
+            _check(table._num_computed <= table.num_tokens, f"{name} computed past its end")
+            _check(len(table._block_hashes) == table._num_computed // size, f"{name} hash count")
             _check(table._block_hashes == self._hashes(table._token_ids[: len(table._block_hashes) * size],
                                                        table._root),
-                   f"{table} hashes do not match its tokens")
+                   f"{name} hashes do not match its tokens")
             for i, block_id in enumerate(table._block_ids):
                 refs[block_id] += 1
                 registered = self._block_hashes[block_id]
                 if registered is not None:
-                    _check((i + 1) * size <= table.num_tokens, f"{table} has registered block {block_id} partial")
+                    _check((i + 1) * size <= table.num_tokens, f"{name} has registered block {block_id} partial")
                     _check(i < len(table._block_hashes) and table._block_hashes[i] == registered,
-                           f"{table} holds registered block {block_id} without its hash")
+                           f"{name} holds registered block {block_id} without its hash")
         _check(refs == self._ref_counts, "reference counts differ from the live tables")
         free = {b for b in range(self.num_blocks) if b in self._free}
         cached = set(self._cached)

@@ -84,12 +84,12 @@ static void attend_pair(const float *restrict q, int64_t q_head_stride, float *r
 }
 
 /* q: query rows, [.., num_heads, head_dim] with row stride q_row_stride (elements); row r of the call is
- *    q_rows[r]. out: [.., num_heads * head_dim] contiguous rows; row r written at out_rows[r] (may equal q_rows).
+ *    row_index[r]. out: [.., num_heads * head_dim] contiguous rows; the call's row r goes to out row row_index[r].
  * keys, values: this layer's K and V of KV head 0; head h starts head_stride elements further.
  * tables: [rows, table_stride] block ids; lengths: [rows] positions each row attends (its cache, new token
  * included). */
-void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t *q_rows, float *out,
-                            const int32_t *out_rows, const float *keys, const float *values, int64_t head_stride,
+void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t *row_index, float *out,
+                            const float *keys, const float *values, int64_t head_stride,
                             const int32_t *tables, int64_t table_stride, const int32_t *lengths, int rows,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                             int num_threads)
@@ -99,8 +99,8 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (pairs > 1)
     for (int pair = 0; pair < pairs; pair++) {
         const int r = pair / num_kv_heads, h = pair % num_kv_heads;
-        const float *qr = q + (int64_t)q_rows[r] * q_row_stride + (int64_t)h * group * head_dim;
-        float *o = out + (int64_t)out_rows[r] * num_heads * head_dim + (int64_t)h * group * head_dim;
+        const float *qr = q + (int64_t)row_index[r] * q_row_stride + (int64_t)h * group * head_dim;
+        float *o = out + (int64_t)row_index[r] * num_heads * head_dim + (int64_t)h * group * head_dim;
         attend_pair(qr, head_dim, o, keys + h * head_stride, values + h * head_stride,
                     tables + (int64_t)r * table_stride, lengths[r], group, head_dim, block_size, scale);
     }

@@ -288,9 +288,9 @@ class LlamaForward:
                 slots = step.slots.to(torch.int64).contiguous()
             s = self.shape
             for index, layer in enumerate(self.weights.layers):
+                layer_kv = pool.tensors.kv[index]  # [2, kv_heads, num_blocks, block_size, head_dim]
                 if kernels is not None:
                     qkv = layer.qkv(_rms_norm(h, layer.attn_norm, s.rms_norm_eps)).contiguous()
-                    layer_kv = pool.tensors.kv[index]
                     kernels.rope_write(qkv, s.num_heads, positions, self.cos, self.sin, layer_kv[0], layer_kv[1],
                                        slots)
                     q = qkv[:, :s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)
@@ -304,7 +304,6 @@ class LlamaForward:
                     out = torch.empty(rows_total, self.shape.num_heads * self.shape.head_dim, device=self.device)
                     if natives:
                         assert kernels is not None
-                        layer_kv = pool.tensors.kv[index]
                         kernels.decode_attention(q, out, rows, layer_kv[0], layer_kv[1], tables, visible, self.scale)
                     for run in others:
                         out[bounds[run]:bounds[run + 1]] = self._attend(

@@ -91,9 +91,10 @@ class EngineKernels:
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._fn = lib.chatd_decode_attention
-        self._fn.argtypes = [p, i64, p, p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-        self._fn.restype = None
+        self._decode_attention = lib.chatd_decode_attention
+        self._decode_attention.argtypes = [p, i64, p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32,
+                                           ctypes.c_float, i32]
+        self._decode_attention.restype = None
         self._rope_write = lib.chatd_rope_write
         self._rope_write.argtypes = [p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32]
         self._rope_write.restype = None
@@ -135,10 +136,10 @@ class EngineKernels:
                 and q.stride(2) == 1 and out.is_contiguous() and keys.is_contiguous() and values.is_contiguous()
                 and rows.dtype == tables.dtype == lengths.dtype == torch.int32 and tables.is_contiguous()):
             raise ValueError("decode attention: unexpected dtypes or layouts")
-        self._fn(q.data_ptr(), q.stride(0), rows.data_ptr(), out.data_ptr(), rows.data_ptr(), keys.data_ptr(),
-                 values.data_ptr(), num_blocks * block_size * head_dim, tables.data_ptr(), tables.shape[1],
-                 lengths.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
-                 torch.get_num_threads())
+        self._decode_attention(q.data_ptr(), q.stride(0), rows.data_ptr(), out.data_ptr(), keys.data_ptr(),
+                               values.data_ptr(), num_blocks * block_size * head_dim, tables.data_ptr(),
+                               tables.shape[1], lengths.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim,
+                               block_size, scale, torch.get_num_threads())
 
 
 _loaded: dict[Path, EngineKernels | None] = {}
