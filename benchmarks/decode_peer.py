@@ -54,7 +54,10 @@ def chatd_decode(runner: ModelRunner, prompt: list[int], tokens: int, batch: int
     started = time.perf_counter()
     for _ in range(tokens):
         nxt = runner.decode(caches, nxt).argmax(-1).tolist()
-    return batch * tokens / (time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    for cache in caches:
+        cache.free(forget=True)  # the next case gets the whole pool
+    return batch * tokens / elapsed
 
 
 def llama_decode(server: LlamaServer, prompt: list[int], tokens: int, batch: int = 1) -> float:

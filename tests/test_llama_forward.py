@@ -108,18 +108,31 @@ def test_weights_resolution() -> None:
             resolve_weights("float32", cpu, unsupported)
 
 
-@pytest.fixture(scope="module")
-def q4_runner(real_runner: ModelRunner) -> ModelRunner:
+# q4 runs natively between its projections where the kernels are built (as the server runs it), else
+# through torch's ops; both must track the reference.
+_Q4_PATHS = ["native", "torch"]
+
+
+def _q4(real_runner: ModelRunner, path: str, dequantised: torch.nn.Module | None) -> ModelRunner:
+    forward = gguf_forward(torch.device("cpu"), dequantised)
+    assert forward.bf16_projections
+    if path == "native":
+        assert real_runner.forward is not None and real_runner.forward.kernels is not None
+        forward.kernels = real_runner.forward.kernels
+    return ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, forward)
+
+
+@pytest.fixture(scope="module", params=_Q4_PATHS)
+def q4_runner(real_runner: ModelRunner, request: pytest.FixtureRequest) -> ModelRunner:
     """The packaged GGUF's own Q4_1 / Q8_0 blocks, beside the real runner's tokenizer and info."""
-    return ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, gguf_forward(torch.device("cpu")))
+    return _q4(real_runner, request.param, None)
 
 
-@pytest.fixture(scope="module")
-def q4_twin_runner(real_runner: ModelRunner) -> ModelRunner:
+@pytest.fixture(scope="module", params=_Q4_PATHS)
+def q4_twin_runner(real_runner: ModelRunner, request: pytest.FixtureRequest) -> ModelRunner:
     """q4 as the server runs it: the blocks for small steps, a dense twin (bf16 where the CPU has bf16
     matmul units) for steps of many rows."""
-    forward = gguf_forward(torch.device("cpu"), real_runner.model)
-    return ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, forward)
+    return _q4(real_runner, request.param, real_runner.model)
 
 
 def _tracks_reference(runner: ModelRunner, reference_model: torch.nn.Module, copies: int) -> None:

@@ -5,14 +5,16 @@ with the same greedy tokens as without it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from chatd.engine.kvcache import KVPool, attend
 from chatd.engine.native import EngineKernels, build, load_kernels
-from chatd.engine.runner import ModelRunner
+from chatd.engine.runner import ModelRunner, gguf_forward
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +146,98 @@ def test_a_position_past_the_rope_table_is_refused_and_changes_nothing(tiny_runn
         assert cache.length == limit
     finally:
         cache.free()
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between two bf16 tensors of one sign per element, in units in the last place."""
+    return int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max())
+
+
+def test_add_rms_norm_equals_torch(kernel: EngineKernels) -> None:
+    torch.manual_seed(3)
+    for rows, hidden in ((1, 576), (7, 64), (300, 576)):  # 300 rows take the threaded loop
+        h = torch.randn(rows, hidden) * 3
+        weight = torch.rand(hidden) + 0.5
+        wide = torch.randn(rows, 2 * hidden).to(torch.bfloat16)
+        add = wide[:, :hidden]  # a strided view: rows of a wider tensor
+        expected_h = h + add.float()
+        expected = F.rms_norm(expected_h, (hidden,), weight, 1e-5).to(torch.bfloat16)
+        got = kernel.add_rms_norm(h, add, weight, 1e-5)
+        assert torch.equal(h, expected_h)  # the residual add is exact, in place
+        assert _bf16_ulps(got, expected) <= 1  # the sum of squares is added in another order
+        assert (got == expected).float().mean() > 0.99
+        again = kernel.add_rms_norm(h, None, weight, 1e-5)  # no add: the norm alone, h unchanged
+        assert torch.equal(again, got) and torch.equal(h, expected_h)
+    with pytest.raises(ValueError):
+        kernel.add_rms_norm(torch.randn(2, 8), None, torch.ones(9), 1e-5)
+
+
+def test_silu_mul_equals_torch(kernel: EngineKernels) -> None:
+    torch.manual_seed(4)
+    for rows, inter in ((1, 1536), (200, 1536)):
+        gate_up = (torch.randn(rows, 2 * inter) * 4).to(torch.bfloat16)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        expected = (F.silu(gate) * up).to(torch.bfloat16)
+        got = kernel.silu_mul(gate_up)
+        assert _bf16_ulps(got, expected) <= 1
+        assert (got == expected).float().mean() > 0.99
+    with pytest.raises(ValueError):
+        kernel.silu_mul(torch.randn(2, 8))
+
+
+def test_q4_steps_between_projections_run_natively_with_torchs_results(real_runner: ModelRunner,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packaged q4 model with the kernels runs every step between its projections natively (the
+    projections bf16 to bf16); its logits equal the torch path's up to bf16 rounding, for prompt chunks
+    and for decode steps narrow (the int4 blocks) and wide (the dense twin) alike, with the same greedy
+    tokens wherever the choice is clear. (A bf16 activation one unit off in the last place moves later
+    layers; both paths are as far from the fp32 forward, which tests/test_llama_forward.py checks.)"""
+    assert real_runner.forward is not None and real_runner.forward.kernels is not None
+    forward = gguf_forward(torch.device("cpu"), real_runner.model)
+    assert forward.bf16_projections
+    runner = ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, forward)
+    texts = ("The capital of France is", "Water boils at", "One, two, three, four,", "Dear diary, today")
+    prompts = [runner.tokenizer(text * n).input_ids for n, text in enumerate(texts, start=1)]
+
+    kernels = real_runner.forward.kernels
+    calls = {"norm": 0, "silu": 0}
+
+    def counted(name: str, method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(*args: object) -> torch.Tensor:
+            calls[name] += 1
+            return method(*args)
+        return call
+
+    monkeypatch.setattr(kernels, "add_rms_norm", counted("norm", kernels.add_rms_norm))
+    monkeypatch.setattr(kernels, "silu_mul", counted("silu", kernels.silu_mul))
+
+    def run(kernels: EngineKernels | None, copies: int) -> list[torch.Tensor]:
+        forward.kernels = kernels
+        caches = [runner.new_cache() for _ in range(copies) for _ in prompts]
+        try:
+            first = [runner.prefill(c, p) for c, p in zip(caches, prompts * copies, strict=True)]
+            steps = [torch.stack(first)]
+            tokens = steps[0].argmax(-1).tolist()
+            for _ in range(5):
+                steps.append(runner.decode(caches, tokens))
+                tokens = steps[-1].argmax(-1).tolist()
+            return steps
+        finally:
+            forward.kernels = None
+            for cache in caches:
+                cache.free()
+
+    layers = forward.shape.num_layers
+    for copies in (1, 3):  # 4 rows per step: the int4 blocks; 12 rows: the dense twin
+        native, plain = run(kernels, copies), run(None, copies)
+        forwards = len(prompts) * copies + 5  # each prompt's prefill, then 5 decode steps
+        assert calls == {"norm": forwards * (2 * layers + 1), "silu": forwards * layers}
+        calls.update(norm=0, silu=0)
+        for a, b in zip(native, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1.0)
+            top2 = b.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1] > 1.0).tolist()
+            assert any(clear)
+            for row, is_clear in enumerate(clear):
+                if is_clear:
+                    assert int(a[row].argmax()) == int(b[row].argmax())

@@ -147,3 +147,68 @@ void chatd_rope_write(float *qkv, int64_t row_stride, const int64_t *positions, 
         }
     }
 }
+
+/* ------------------------------------------------------------------------------------------------------
+ * The element-wise steps around a layer's bf16 projections (a q4 model, or a dense bf16 one): the
+ * projections take and return bf16, everything between them runs here in fp32 and is rounded to bf16
+ * once, round to nearest even, exactly as torch's .to(torch.bfloat16) rounds. */
+
+#include <string.h>
+
+static inline uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float from_bf16(uint16_t b)
+{
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The residual add and the RMSNorm that follows it, for every row:
+ *   h[r] += add[r] (bf16, row stride add_stride elements; skipped when add is NULL), in place, in fp32;
+ *   out[r] = bf16((h[r] * 1/sqrt(mean(h[r]^2) + eps)) * weight), out contiguous [rows, hidden].
+ * The order of operations is transformers' LlamaRMSNorm in fp32. */
+void chatd_add_rms_norm(float *h, const uint16_t *add, int64_t add_stride, const float *weight, float eps,
+                        uint16_t *out, int rows, int hidden, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * hidden >= 65536)
+    for (int r = 0; r < rows; r++) {
+        float *x = h + (int64_t)r * hidden;
+        if (add != NULL) {
+            const uint16_t *a = add + (int64_t)r * add_stride;
+            for (int d = 0; d < hidden; d++)
+                x[d] += from_bf16(a[d]);
+        }
+        float squares = 0.0f;
+        for (int d = 0; d < hidden; d++)
+            squares += x[d] * x[d];
+        const float inv = 1.0f / sqrtf(squares / (float)hidden + eps);
+        uint16_t *o = out + (int64_t)r * hidden;
+        for (int d = 0; d < hidden; d++)
+            o[d] = to_bf16((x[d] * inv) * weight[d]);
+    }
+}
+
+/* The MLP's activation: gate_up rows are [gate (inter) | up (inter)] in bf16, contiguous;
+ * out[r, j] = bf16(silu(gate[r, j]) * up[r, j]), out contiguous [rows, inter]. */
+void chatd_silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * inter >= 65536)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + (int64_t)r * inter;
+        for (int j = 0; j < inter; j++) {
+            const float x = from_bf16(g[j]);
+            o[j] = to_bf16(x / (1.0f + expf(-x)) * from_bf16(u[j]));
+        }
+    }
+}

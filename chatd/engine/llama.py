@@ -41,6 +41,21 @@ class Linear(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+class Bf16Linear(Linear, Protocol):
+    """A :class:`Linear` that also runs bf16 to bf16 (``bf16``: ``[M, in_features]`` contiguous bf16 in,
+    ``[M, out_features]`` bf16 out), with no conversion around its kernel; ``takes_bf16`` says whether it can
+    (a dense one only when its weight is bf16)."""
+
+    takes_bf16: bool
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def takes_bf16(linear: Linear) -> bool:
+    """Whether ``linear`` is a :class:`Bf16Linear` that can run bf16 to bf16."""
+    return bool(getattr(linear, "takes_bf16", False)) and callable(getattr(linear, "bf16", None))
+
+
 class Embedding(Protocol):
     """Token ids ``[n]`` int64 -> their embeddings ``[n, hidden]`` fp32."""
 
@@ -67,6 +82,50 @@ class DenseLinear:
         if self.weight.dtype == x.dtype:
             return F.linear(x, self.weight, self.bias)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
+
+    @property
+    def takes_bf16(self) -> bool:
+        return self.weight.dtype == torch.bfloat16
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 ``[M, in]`` -> bf16 ``[M, out]`` (a bf16 weight only: see ``takes_bf16``)."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class PackedBf16Linear:
+    """A dense bf16 projection whose weight oneDNN has reordered once, at load, into the blocked layout its
+    CPU matmul (AMX tiles or AVX512-BF16) reads. A plain bf16 ``F.linear`` reorders the weight on every
+    call: for this model's small matrices that reorder, not the multiply, was most of the cost
+    (docs/performance.md, "Prepacked bf16"). The results are those of ``F.linear`` in bf16."""
+
+    # The row count oneDNN is told to expect. Any count runs; 16 (a batched decode step) measured as fast
+    # as the best hint for 1 to 512 rows.
+    _ROWS_HINT = 16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        bf16 = weight.to(torch.bfloat16).contiguous()  # [out_features, in_features]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(bf16, self._ROWS_HINT)  # opaque oneDNN tensor
+        self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()  # [out_features] or None
+
+    @staticmethod
+    def available() -> bool:
+        """Whether this torch build has oneDNN's bf16 linear ops (CPU builds with mkldnn)."""
+        try:
+            return (torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+        except (AttributeError, RuntimeError):
+            return False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bf16(x.to(torch.bfloat16).contiguous()).float()
+
+    takes_bf16 = True
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 ``[M, in]`` -> bf16 ``[M, out]``."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
 
 
 class Int8Linear:
@@ -103,6 +162,13 @@ class RowSwitchLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (self.large if x.shape[0] >= self.min_rows else self.small)(x)
+
+    @property
+    def takes_bf16(self) -> bool:
+        return takes_bf16(self.small) and takes_bf16(self.large)
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(Bf16Linear, self.large if x.shape[0] >= self.min_rows else self.small).bf16(x)
 
 
 @dataclass(frozen=True)
@@ -212,6 +278,10 @@ class LlamaForward:
         self.sin = table.sin().to(device)
         self.scale = s.head_dim ** -0.5
         self.group = s.num_heads // s.num_kv_heads
+        linears = [self.weights.lm_head, *(p for layer in self.weights.layers
+                                            for p in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        # Every projection runs bf16 to bf16 (q4 and dense bf16 weights): the native path between them.
+        self.bf16_projections = all(takes_bf16(linear) for linear in linears)
         # Native kernels (chatd/engine/native.py), set by the loader where they build and fit the pool (CPU,
         # fp32 K/V): RoPE with the K/V write for every row, and the attention of single-token runs. None:
         # torch's ops alone.
@@ -287,9 +357,22 @@ class LlamaForward:
                 positions = positions.to(device=self.device, dtype=torch.int64).contiguous()
                 slots = step.slots.to(torch.int64).contiguous()
             s = self.shape
+            # With the kernels and bf16 projections (q4, or dense bf16), everything between two projections
+            # runs natively and the projections take and give bf16 (no conversions around them): the
+            # residual add and RMSNorm in one call, SiLU-times-up in another. ``pending`` is the last
+            # projection's output, added to ``h`` by the next norm.
+            fused = kernels is not None and self.bf16_projections
+            pending: torch.Tensor | None = None
             for index, layer in enumerate(self.weights.layers):
                 layer_kv = pool.tensors.kv[index]  # [2, kv_heads, num_blocks, block_size, head_dim]
-                if kernels is not None:
+                if fused:
+                    assert kernels is not None
+                    x = kernels.add_rms_norm(h, pending, layer.attn_norm, s.rms_norm_eps)
+                    qkv = cast(Bf16Linear, layer.qkv).bf16(x).float()
+                    kernels.rope_write(qkv, s.num_heads, positions, self.cos, self.sin, layer_kv[0], layer_kv[1],
+                                       slots)
+                    q = qkv[:, :s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)
+                elif kernels is not None:
                     qkv = layer.qkv(_rms_norm(h, layer.attn_norm, s.rms_norm_eps)).contiguous()
                     kernels.rope_write(qkv, s.num_heads, positions, self.cos, self.sin, layer_kv[0], layer_kv[1],
                                        slots)
@@ -308,9 +391,20 @@ class LlamaForward:
                     for run in others:
                         out[bounds[run]:bounds[run + 1]] = self._attend(
                             _layer_runs(views[run], index), q[bounds[run]:bounds[run + 1]], masks[run])
-                h = h + layer.o(out)
-                h = h + self._mlp(layer, h)
+                if fused:
+                    assert kernels is not None
+                    attended = cast(Bf16Linear, layer.o).bf16(out.to(torch.bfloat16).contiguous())
+                    x = kernels.add_rms_norm(h, attended, layer.ffn_norm, s.rms_norm_eps)
+                    gate_up = cast(Bf16Linear, layer.gate_up).bf16(x)
+                    pending = cast(Bf16Linear, layer.down).bf16(kernels.silu_mul(gate_up))
+                else:
+                    h = h + layer.o(out)
+                    h = h + self._mlp(layer, h)
             last = torch.tensor(bounds[1:], device=self.device) - 1
+            if fused:
+                assert kernels is not None
+                x = kernels.add_rms_norm(h, pending, self.weights.norm, s.rms_norm_eps)
+                return cast(Bf16Linear, self.weights.lm_head).bf16(x[last].contiguous()).float()
             return self._logits(h[last])
 
     def _attend(self, kv_runs: Sequence[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,

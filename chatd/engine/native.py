@@ -98,6 +98,12 @@ class EngineKernels:
         self._rope_write = lib.chatd_rope_write
         self._rope_write.argtypes = [p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32]
         self._rope_write.restype = None
+        self._add_rms_norm = lib.chatd_add_rms_norm
+        self._add_rms_norm.argtypes = [p, p, i64, p, ctypes.c_float, p, i32, i32, i32]
+        self._add_rms_norm.restype = None
+        self._silu_mul = lib.chatd_silu_mul
+        self._silu_mul.argtypes = [p, p, i32, i32, i32]
+        self._silu_mul.restype = None
         self._limits = lib.chatd_decode_attention_limits
         self._limits.argtypes = [i32, i32, i32]
         self._limits.restype = i32
@@ -121,6 +127,32 @@ class EngineKernels:
         self._rope_write(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                          keys.data_ptr(), values.data_ptr(), num_blocks * block_size * head_dim, slots.data_ptr(),
                          qkv.shape[0], num_heads, num_kv_heads, head_dim, torch.get_num_threads())
+
+    def add_rms_norm(self, h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``h += add`` in place (``add`` bf16 ``[rows, hidden]``, rows may be strided; None: no add), then
+        RMSNorm of every row of ``h`` (fp32 ``[rows, hidden]``, contiguous) scaled by ``weight`` (fp32
+        ``[hidden]``), returned as a new bf16 ``[rows, hidden]``."""
+        rows, hidden = h.shape
+        if not (h.dtype == weight.dtype == torch.float32 and h.is_contiguous() and weight.is_contiguous()
+                and weight.shape == (hidden,)
+                and (add is None or (add.dtype == torch.bfloat16 and add.shape == h.shape and add.stride(1) == 1))):
+            raise ValueError("add_rms_norm: unexpected dtypes or layouts")
+        out = torch.empty(rows, hidden, dtype=torch.bfloat16)
+        self._add_rms_norm(h.data_ptr(), None if add is None else add.data_ptr(),
+                           0 if add is None else add.stride(0), weight.data_ptr(), eps, out.data_ptr(), rows,
+                           hidden, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` bf16 ``[rows, 2 * inter]`` (contiguous, gate first), as a new bf16
+        ``[rows, inter]``."""
+        rows, width = gate_up.shape
+        if not (gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and width % 2 == 0):
+            raise ValueError("silu_mul: unexpected dtypes or layouts")
+        out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
                          values: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> None:

@@ -198,6 +198,12 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _run_int4(x, self.packed, self.scale_zeros, self.out_features)  # [..., N] fp32
 
+    takes_bf16 = True
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 ``[M, K]`` (contiguous) -> bf16 ``[M, N]``: the kernel alone, no conversion on either side."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scale_zeros)
+
 
 class Q8_0Linear(torch.nn.Module):
     """``y = x @ W^T`` for a Q8_0 weight (the LM head), exactly represented in the int4 kernel.
@@ -224,6 +230,13 @@ class Q8_0Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _run_int4(torch.cat([x, x], dim=-1), self.packed, self.scale_zeros, self.out_features)
+
+    takes_bf16 = True
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 ``[M, K]`` -> bf16 ``[M, N]``."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(torch.cat([x, x], dim=-1), self.packed, GROUP_SIZE,
+                                                          self.scale_zeros)
 
 
 class Int8RowLinear(torch.nn.Module):

@@ -44,6 +44,7 @@ from chatd.engine.llama import (
     Linear,
     LlamaForward,
     LlamaShape,
+    PackedBf16Linear,
     bf16_matmul_is_fast,
     weights_from_gguf,
     weights_from_transformers,
@@ -272,15 +273,24 @@ def compact_forward(model: Any, weights: str, device: torch.device) -> LlamaForw
     def make(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         if weights == "int8":
             return Int8Linear.quantize(weight.float(), bias)
+        if weights == "bfloat16" and device.type == "cpu":
+            return _bf16_linear(weight, bias)
         return DenseLinear(weight.to(_DTYPES[weights]).contiguous(), bias)
 
     return LlamaForward(weights_from_transformers(model, make), device)
 
 
+def _bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """A bf16 projection on the CPU: prepacked for oneDNN where torch has it, else a plain bf16 matmul."""
+    if PackedBf16Linear.available():
+        return PackedBf16Linear(weight, bias)
+    return DenseLinear(weight.to(torch.bfloat16).contiguous(), bias)
+
+
 # Batches of at least this many rows run the dense twin of a ``q4`` model: bf16 where the CPU multiplies
 # bf16 in hardware (its cost is flat in the rows, the int4 kernel's grows with each), else fp32, which only
 # pays from prefill-sized batches on.
-BF16_TWIN_MIN_ROWS = 12
+BF16_TWIN_MIN_ROWS = 8
 FP32_TWIN_MIN_ROWS = 32
 
 
@@ -296,8 +306,7 @@ def gguf_forward(device: torch.device, dequantised: Any | None = None) -> LlamaF
     if dequantised is None:
         return LlamaForward(weights_from_gguf(gguf), device)
     if bf16_matmul_is_fast():
-        twin = weights_from_transformers(
-            dequantised, lambda w, b: DenseLinear(w.to(torch.bfloat16).contiguous(), b))
+        twin = weights_from_transformers(dequantised, _bf16_linear)
         return LlamaForward(weights_from_gguf(gguf, twin, BF16_TWIN_MIN_ROWS), device)
     return LlamaForward(weights_from_gguf(gguf, weights_from_transformers(dequantised), FP32_TWIN_MIN_ROWS), device)
 
