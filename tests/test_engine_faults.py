@@ -7,6 +7,7 @@ escaped the engine thread, and no session got a reply again.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -60,14 +61,15 @@ async def test_tiny_temperature_turn_completes_and_others_keep_streaming(tiny_co
 
 
 async def test_a_failing_row_fails_only_its_own_turn(tiny_core: Chatd, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_sample = worker_module.sample
+    real_sample_rows = worker_module.sample_rows
 
-    def faulty(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-        if params.seed == 13 and params.max_tokens == 30:
-            raise SamplingError("injected")
-        return real_sample(logits, params, generator)
+    def faulty(logits: torch.Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None]) -> list[int | SamplingError]:
+        picks = real_sample_rows(logits, params, generators)
+        return [SamplingError("injected") if p.seed == 13 and p.max_tokens == 30 else pick
+                for p, pick in zip(params, picks, strict=True)]
 
-    monkeypatch.setattr(worker_module, "sample", faulty)
+    monkeypatch.setattr(worker_module, "sample_rows", faulty)
     svc = tiny_core.sessions
     good_info, bad_info = await svc.create(), await svc.create()
     good = svc.send(good_info.session_id, "Keep going.", GenerationParams(temperature=0, max_tokens=30))

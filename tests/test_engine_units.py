@@ -10,7 +10,7 @@ import torch
 from chatd.config import GenerationSettings, ModelSettings
 from chatd.engine.kvcache import KVPool, any_layer_kv, appending
 from chatd.engine.runner import ModelRunner
-from chatd.engine.sampling import SamplingParams, make_generator, sample
+from chatd.engine.sampling import NUCLEUS_CANDIDATES, SamplingError, SamplingParams, make_generator, sample, sample_rows
 from chatd.kv.manager import common_prefix_len, reusable_prefix
 from chatd.kv.policy import CacheRecord, CostModel, choose_victims, idle_victims, persist_candidates, prefer_restore
 from chatd.protocol import GenerationParams
@@ -28,6 +28,57 @@ def test_sampling_rules() -> None:
     gen = make_generator(wide)
     draws = {sample(logits, wide, gen) for _ in range(200)}
     assert draws == {1, 2}  # top-k 2 keeps exactly the two best tokens, both get drawn
+
+
+def test_rows_sampled_together_equal_rows_sampled_alone() -> None:
+    """A step's rows are sampled in one pass (one argmax, one finiteness check, one top-k); each row's
+    draws come from its own generator, so they equal sampling that row alone with the same seed."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 3000) * 4
+    params = [SamplingParams(max_tokens=1),  # greedy
+              SamplingParams(max_tokens=1, temperature=0.7, top_p=0.95, top_k=50, seed=1),  # the defaults
+              SamplingParams(max_tokens=1, temperature=1.0, top_k=5, seed=2),
+              SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, seed=3),  # nucleus, no top-k
+              SamplingParams(max_tokens=1, temperature=1.3, seed=4),  # the whole row
+              SamplingParams(max_tokens=1, temperature=0.5, top_k=5000, top_p=0.5, seed=5)]  # top-k past the vocab
+    together_gens = [make_generator(p) for p in params]
+    alone_gens = [make_generator(p) for p in params]
+    for _ in range(30):
+        together = sample_rows(logits, params, together_gens)
+        alone = [sample(logits[r], p, g) for r, (p, g) in enumerate(zip(params, alone_gens, strict=True))]
+        assert together == alone
+    assert together[0] == int(logits[0].argmax())
+
+
+def test_a_row_with_bad_logits_fails_alone() -> None:
+    logits = torch.randn(3, 100)
+    logits[1, 7] = float("nan")
+    params = [SamplingParams(max_tokens=1, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    picks = sample_rows(logits, params, [make_generator(p) for p in params])
+    assert isinstance(picks[1], SamplingError)
+    assert all(isinstance(p, int) and 0 <= p < 100 for p in (picks[0], picks[2]))
+    # Scores that are finite but huge overflow a row's sum: still sampled, not refused.
+    huge = torch.full((1, 100), 3e37)
+    huge[0, 42] = 3.1e37
+    pick = sample_rows(huge, params[:1], [make_generator(params[0])])[0]
+    assert isinstance(pick, int)
+    for bad in (float("inf"), -float("inf")):
+        row = torch.zeros(1, 100)
+        row[0, 3] = bad
+        assert isinstance(sample_rows(row, params[:1], [make_generator(params[0])])[0], SamplingError)
+
+
+def test_a_nucleus_wider_than_the_candidates_is_drawn_from_the_whole_row() -> None:
+    # 5,000 equal scores: the best NUCLEUS_CANDIDATES hold a fifth of the mass, short of top_p 0.99, so
+    # the row is sorted whole and draws reach every part of it.
+    logits = torch.zeros(1, 5000)
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.99, seed=9)
+    gen = make_generator(params)
+    draws = {sample_rows(logits, [params], [gen])[0] for _ in range(400)}
+    assert NUCLEUS_CANDIDATES < 5000 and len(draws) > 300
+    assert all(isinstance(d, int) for d in draws)
+    whole = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.2, seed=9)  # fits: the candidates serve
+    assert isinstance(sample_rows(logits, [whole], [make_generator(whole)])[0], int)
 
 
 def test_params_resolve_overrides_defaults() -> None:

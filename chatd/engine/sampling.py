@@ -78,31 +78,78 @@ def make_generator(params: SamplingParams) -> torch.Generator:
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token id from ``logits`` ``[vocab]`` (any float dtype, any device).
+# A row with no top-k draws its candidates from this many best tokens when they hold the nucleus (top-p
+# mass) whole, which is nearly always; only otherwise is the row sorted whole.
+NUCLEUS_CANDIDATES = 1024
 
-    Greedy when temperature is 0 (ties go to the lowest id, as torch.argmax does). Otherwise
-    temperature scaling, then top-k, then top-p (nucleus, keeping at least one token), then a draw
-    from ``generator``. Any positive temperature is safe: the scores are shifted so the best one is 0
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> list[int | SamplingError]:
+    """The next token of every row of ``logits`` ``[rows, vocab]`` (any float dtype, any device), row ``r``
+    with ``params[r]`` and ``generators[r]``, in one pass: one argmax for the greedy rows, one finiteness
+    check and one top-k for the others; then each sampling row draws from its own generator.
+
+    Per row: greedy when temperature is 0 (ties go to the lowest id, as torch.argmax does). Otherwise
+    temperature scaling, then top-k, then top-p (nucleus, keeping at least one token), then a draw from
+    the row's generator. Any positive temperature is safe: the scores are shifted so the best one is 0
     before dividing, so they can only underflow to -inf, never overflow.
 
-    Raises SamplingError when the logits are not all finite; nothing else is changed then.
+    A sampling row whose logits are not all finite gets a SamplingError in its place; the other rows are
+    unaffected.
     """
-    if params.greedy:
-        return int(torch.argmax(logits).item())
-    scores = logits.float().cpu()  # [vocab] fp32
-    if not bool(torch.isfinite(scores).all()):
-        raise SamplingError("the model produced non-finite logits")
-    # Candidates best first: the top-k when it applies (a partial selection, far cheaper than sorting
-    # the whole vocabulary), else every token.
-    if 0 < params.top_k < scores.numel():
-        values, ids = torch.topk(scores, params.top_k)
-    else:
-        values, ids = torch.sort(scores, descending=True)
-    probs = torch.softmax((values - values[0]) / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        # Drop a candidate when the mass before it already reaches top_p; the first always stays.
-        kept = int(((probs.cumsum(dim=-1) - probs) < params.top_p).sum())
-        probs = probs[:kept]
-    choice = int(torch.multinomial(probs, 1, generator=generator).item())
-    return int(ids[choice])
+    num_rows, vocab = logits.shape
+    picks: list[int | SamplingError] = [SamplingError("not sampled")] * num_rows
+    greedy = [r for r in range(num_rows) if params[r].greedy]
+    if greedy:
+        chosen = logits[greedy].argmax(dim=-1).tolist() if len(greedy) < num_rows else logits.argmax(dim=-1).tolist()
+        for r, token in zip(greedy, chosen, strict=True):
+            picks[r] = int(token)
+    drawing = [r for r in range(num_rows) if not params[r].greedy]
+    if not drawing:
+        return picks
+    scores = (logits if len(drawing) == num_rows else logits[drawing]).float().cpu()  # [n, vocab] fp32
+    # A row sum is finite when every score is (one fast pass); only the rows it flags are checked whole,
+    # since finite scores of ~1e34 could overflow the sum.
+    finite = torch.isfinite(scores.sum(dim=-1)).tolist()
+    for i in (i for i, ok in enumerate(finite) if not ok):
+        finite[i] = bool(torch.isfinite(scores[i]).all())
+    top_ks = [params[r].top_k if 0 < params[r].top_k < vocab else 0 for r in drawing]
+    width = max(k if k else min(vocab, NUCLEUS_CANDIDATES) for k in top_ks)
+    best_values, best_ids = torch.topk(scores, width, dim=-1)  # [n, width], best first
+    for i, r in enumerate(drawing):
+        if not finite[i]:
+            picks[r] = SamplingError("the model produced non-finite logits")
+            continue
+        p = params[r]
+        values, ids = best_values[i], best_ids[i]
+        if top_ks[i]:
+            values, ids = values[:top_ks[i]], ids[:top_ks[i]]
+            probs = torch.softmax((values - values[0]) / p.temperature, dim=-1)
+        else:
+            # Every token is a candidate: probabilities over the whole row.
+            shifted = (scores[i] - values[0]) / p.temperature  # [vocab], best 0
+            if p.top_p >= 1.0:  # no nucleus either: a draw from the whole row, in token order
+                whole = torch.softmax(shifted, dim=-1)
+                picks[r] = int(torch.multinomial(whole, 1, generator=generators[r]).item())
+                continue
+            probs = (shifted[ids] - torch.logsumexp(shifted, dim=0)).exp()
+            if float(probs.sum()) < p.top_p:
+                # The nucleus is wider than the candidates: the row whole, best first.
+                values, ids = torch.sort(scores[i], descending=True)
+                probs = torch.softmax((values - values[0]) / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            # Drop a candidate when the mass before it already reaches top_p; the first always stays.
+            kept = int(((probs.cumsum(dim=-1) - probs) < p.top_p).sum())
+            probs = probs[:kept]
+        choice = int(torch.multinomial(probs, 1, generator=generators[r]).item())
+        picks[r] = int(ids[choice])
+    return picks
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token of one row of ``logits`` ``[vocab]``, as :func:`sample_rows` picks it. Raises
+    SamplingError when a sampling row's logits are not all finite; nothing else is changed then."""
+    pick = sample_rows(logits.reshape(1, -1), [params], [generator])[0]
+    if isinstance(pick, SamplingError):
+        raise pick
+    return pick

@@ -32,7 +32,7 @@ from chatd.chat.stream import IncrementalDetokenizer, StopMatcher
 from chatd.domain import FinishReason
 from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelRunner
-from chatd.engine.sampling import SamplingParams, make_generator, sample
+from chatd.engine.sampling import SamplingParams, make_generator, sample, sample_rows
 from chatd.errors import Internal
 from chatd.stats import Counters
 
@@ -341,10 +341,9 @@ class EngineWorker:
         if decoding:
             self.counters.num_engine_decode_steps += 1
             self.counters.num_engine_decode_tokens += len(decoding)
-        for row, job in enumerate(decoding):
+        for job in decoding:
             job.pending = None
-            if not self._sample_and_accept(job, logits[row]):
-                self._decoding.remove(job)
+        sampled: list[tuple[int, _Job]] = list(enumerate(decoding))
         for row, (job, chunk) in enumerate(prefilling, start=len(decoding)):
             self.counters.num_engine_prefill_tokens += len(chunk)
             job.prefill_pos += len(chunk)
@@ -353,8 +352,13 @@ class EngineWorker:
                 self._prefilling.append(job)  # round robin: the rest of a long prompt waits its turn
                 continue
             job.prefill_done_at = time.monotonic()
-            if self._sample_and_accept(job, logits[row]):
-                self._decoding.append(job)
+            sampled.append((row, job))
+        picks = self._sample(logits, sampled)
+        for (row, job), pick in zip(sampled, picks, strict=True):
+            was_decoding = row < len(decoding)
+            if self._accept_pick(job, pick) != was_decoding:
+                # A decoding job that finished leaves the batch; a prompt that finished joins it.
+                (self._decoding.remove if was_decoding else self._decoding.append)(job)
 
     @staticmethod
     def _use_threads(num_threads: int) -> None:
@@ -366,11 +370,33 @@ class EngineWorker:
         if torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
 
-    def _sample_and_accept(self, job: _Job, logits: torch.Tensor) -> bool:
-        """Sample ``job``'s next token from its ``logits`` ``[vocab]`` and record it; return False when the
-        job finished. An error here (bad logits, a detokenizer failure) fails this job alone."""
+    @staticmethod
+    def _sample(logits: torch.Tensor, sampled: Sequence[tuple[int, _Job]]) -> list[int | Exception]:
+        """The next token of each ``(row, job)`` from ``logits[row]``, every row in one pass (greedy rows in
+        one argmax, the others' top-k in one call); a row that cannot be sampled gets its error instead."""
+        if not sampled:
+            return []
+        rows = [row for row, _ in sampled]
+        jobs = [job for _, job in sampled]
         try:
-            return self._accept(job, sample(logits, job.params, job.generator))
+            return list(sample_rows(logits[rows], [job.params for job in jobs], [job.generator for job in jobs]))
+        except Exception:
+            log.exception("sampling a step's rows together failed; sampling them one by one")
+        picks: list[int | Exception] = []
+        for row, job in sampled:
+            try:
+                picks.append(sample(logits[row], job.params, job.generator))
+            except Exception as exc:
+                picks.append(exc)
+        return picks
+
+    def _accept_pick(self, job: _Job, pick: int | Exception) -> bool:
+        """Record ``job``'s sampled token; return False when the job finished. An error (the row could not be
+        sampled, a detokenizer failure) fails this job alone."""
+        try:
+            if isinstance(pick, Exception):
+                raise pick
+            return self._accept(job, pick)
         except Exception as exc:
             self._fail(job, exc)
             return False
