@@ -59,6 +59,8 @@ class Counters:
     num_prefix_shares: int = 0
     """Caches started from another resident session's prefix (a copy of its K/V)."""
     num_prefix_shared_tokens: int = 0
+    num_resumes_from_pool: int = 0
+    """Evicted sessions whose cache came back from blocks still in the KV pool, with no snapshot read."""
     restore_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     """The most recent restore times, oldest first."""
     eviction_log: deque[tuple[str, EvictionReason]] = field(default_factory=lambda: deque(maxlen=RECENT))

@@ -75,7 +75,9 @@ async def test_many_sessions_under_a_small_budget(make_settings: SettingsFactory
             tiers.append(got.usage.cache_tier)
         assert core.counters.num_evictions >= 10
         assert "disk" in tiers  # evicted sessions came back from their snapshots
-        assert core.counters.num_restores >= 8 and core.counters.num_restore_failures == 0
+        # ... or, when their released blocks had not been reused yet, from those (tests/test_kv_pool.py)
+        assert core.counters.num_restores >= 4 and core.counters.num_restore_failures == 0
+        assert core.counters.num_restores + core.counters.num_resumes_from_pool >= 8
 
 
 async def test_restore_is_bit_exact(make_settings: SettingsFactory, tiny_dir: Path, tiny_runner: ModelRunner) -> None:
@@ -170,10 +172,11 @@ async def test_crash_between_write_and_rename_keeps_the_previous_snapshot(
         assert not await core.sessions.evict(sid)  # the new snapshot never landed
         monkeypatch.setattr(os, "replace", real_replace)
         assert [p.name for p in core.snapshots.store.folder.iterdir()] == [old_record.file_name]
-        # Drop the resident cache without writing, as a crash would: the old snapshot still restores
-        # the prefix it shares with the conversation.
+        # Drop the resident cache without writing, as a crash would (the pool's contents go too): the old
+        # snapshot still restores the prefix it shares with the conversation.
         entry = core.kv._entries[sid]
-        core.kv._forget(entry)
+        core.kv._forget(entry, forget_blocks=True)
+        await core.worker.call(core.runner.pool.allocator.evict_cached)
         third = await turn(core, sid, "third turn", 3)
         assert third.usage.cache_tier == "disk"
         assert third.usage.cached_tokens == first.usage.input_tokens + first.usage.output_tokens - 1
@@ -240,8 +243,11 @@ async def test_idle_sessions_are_persisted_then_evicted(make_settings: SettingsF
         assert not core.kv.is_resident(sid)
         assert core.counters.num_snapshot_writes == writes  # already on disk: eviction wrote nothing
         assert core.counters.num_evictions_idle == 1
+        # Nothing needed the released blocks meanwhile: the turn is made from them, not the snapshot
+        # (tests/test_kv_pool.py has more on this).
         result = await turn(core, sid, "back", 2)
-        assert result.usage.cache_tier == "disk"
+        assert result.usage.cache_tier == "device" and result.usage.cached_tokens > 0
+        assert core.counters.num_resumes_from_pool == 1 and core.counters.num_restores == 0
 
 
 async def test_disk_budget_deletes_the_oldest_snapshots(make_settings: SettingsFactory, tiny_dir: Path,

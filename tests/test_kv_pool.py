@@ -295,3 +295,59 @@ async def test_a_cancelled_new_session_gives_back_the_cache_the_engine_made_anyw
     lease = await kv.acquire("next", list(range(10, 50)), kv.max_tokens_for_budget() - 40)
     kv.release(lease)
     await _verify(tiny_core)
+
+
+# ----------------------------------------------------------------------------- resuming from the pool
+
+
+async def test_an_evicted_session_comes_back_from_its_blocks_still_in_the_pool(
+        make_settings: Callable[..., Settings], tiny_dir: Path, tiny_runner: ModelRunner) -> None:
+    """An idle eviction releases the session's blocks but leaves them findable by their tokens until their
+    room is needed; the session's next turn is made from them (nothing read from its snapshot), and
+    replies as a session that never left does."""
+    settings = make_settings(tiny_dir, cache={"idle_evict_s": 0.3, "restore_min_tokens": 0})
+    async with Chatd.open(settings, runner=tiny_runner, background=False) as core:
+        svc = core.sessions
+        left = (await svc.create(system=SYSTEM)).session_id
+        assert isinstance(await svc.send(left, "Question?", greedy(5)).wait(), TurnResult)
+        await asyncio.sleep(0.4)
+        await core.kv.tick()
+        assert not core.kv.is_resident(left) and core.tier(left) == "disk"
+        assert core.counters.num_evictions_idle == 1
+        stayed = (await svc.create(system=SYSTEM)).session_id  # the same history, computed while resident
+        assert isinstance(await svc.send(stayed, "Question?", greedy(5)).wait(), TurnResult)
+        back = await svc.send(left, "And then?", greedy(8)).wait()
+        kept = await svc.send(stayed, "And then?", greedy(8)).wait()
+        assert isinstance(back, TurnResult) and isinstance(kept, TurnResult)
+        assert core.counters.num_resumes_from_pool == 1
+        assert core.counters.num_restores == 0  # no snapshot read
+        assert back.usage.cache_tier == "device" and back.usage.restore_ms is None
+        # Every full block of the history came back; at most a partly filled last block was recomputed.
+        assert back.usage.cached_tokens >= kept.usage.cached_tokens - 16
+        assert back.assistant_message.content == kept.assistant_message.content
+        await _verify(core)
+
+
+async def test_when_the_blocks_are_gone_the_snapshot_is_read(make_settings: Callable[..., Settings], tiny_dir: Path,
+                                                              tiny_runner: ModelRunner) -> None:
+    # A pool of 16 blocks: another session's long turn evicts the session and reuses its released blocks.
+    budget_mb = 16 * 16 * tiny_runner.info.bytes_per_token / (1024 * 1024)
+    settings = make_settings(tiny_dir, cache={"device_budget_mb": budget_mb, "restore_min_tokens": 0})
+    async with Chatd.open(settings, runner=tiny_runner, background=False) as core:
+        svc = core.sessions
+        left = (await svc.create(system=SYSTEM)).session_id
+        assert isinstance(await svc.send(left, "Question?", greedy(5)).wait(), TurnResult)
+        assert await svc.evict(left)
+        # An operator's eviction moves the session to disk: the next turn reads the snapshot.
+        back = await svc.send(left, "And then?", greedy(5)).wait()
+        assert isinstance(back, TurnResult) and back.usage.cache_tier == "disk"
+        assert core.counters.num_restores == 1 and core.counters.num_resumes_from_pool == 0
+        # An eviction for room leaves them findable, but another session's long turn reuses them.
+        other = (await svc.create()).session_id
+        filler = "Different words entirely, counting sheep and stars. " * 20
+        assert isinstance(await svc.send(other, filler, greedy(5)).wait(), TurnResult)
+        assert core.counters.num_evictions_for_room >= 1 and not core.kv.is_resident(left)
+        again = await svc.send(left, "And after that?", greedy(5)).wait()
+        assert isinstance(again, TurnResult) and again.usage.cache_tier == "disk"
+        assert core.counters.num_restores == 2 and core.counters.num_resumes_from_pool == 0
+        await _verify(core)

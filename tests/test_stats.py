@@ -144,7 +144,7 @@ async def test_admin_json_and_metrics_render_the_same_stats(tiny_core: Chatd) ->
         "model", "tiers", "pool", "sessions", "turns", "cached_tokens", "prefilled_tokens", "cached_token_ratio",
         "evictions", "evictions_idle", "evictions_for_room", "restores", "restore_failures", "restore_ms_mean",
         "snapshot_writes", "snapshot_write_failures", "snapshot_bytes_written",
-        "snapshots_deleted_for_disk_budget", "prefix_shares", "prefix_shared_tokens", "engine"]
+        "snapshots_deleted_for_disk_budget", "prefix_shares", "prefix_shared_tokens", "resumes_from_pool", "engine"]
     assert list(body["tiers"]) == ["device", "disk"]
     assert body["sessions"] == {"total": 1, "resident": 0, "evicted": 1, "generating": 0}
     assert body["turns"] == 1 and body["evictions"] == 1 and body["snapshot_writes"] == 1

@@ -108,6 +108,8 @@ class KVManager:
         self._entries: dict[str, _Entry] = {}
         # Sessions whose new cache the engine is making (no entry yet).
         self._arriving: set[str] = set()
+        # Sessions an operator evicted: their next cache comes from the snapshot, not blocks left in the pool.
+        self._to_disk: set[str] = set()
         self._room = asyncio.Condition()
         # Room taken for engine work queued and not run yet: queued minus placed (see _take_room).
         self._queued_bytes = 0
@@ -386,7 +388,12 @@ class KVManager:
         return True
 
     def _evicted(self, entry: _Entry, reason: EvictionReason) -> None:
+        # The released blocks stay findable by their tokens (for any session) until their room is needed.
+        # A session evicted for room or idleness that comes back before then is made from them
+        # (_try_restore); one an operator evicted comes back from its snapshot, as asked.
         self._forget(entry)
+        if reason == "admin":
+            self._to_disk.add(entry.session_id)
         self.counters.count_eviction(entry.session_id, reason)
 
     def _forget(self, entry: _Entry, *, forget_blocks: bool = False) -> None:
@@ -444,6 +451,8 @@ class KVManager:
                            reuse_limit: int) -> Lease | None:
         """Restore the snapshot's longest prefix shared with ``prompt`` (at most ``reuse_limit``
         positions). None when there is no usable snapshot or recomputing is estimated cheaper."""
+        from_disk = session_id in self._to_disk  # an operator evicted it: the snapshot, not the pool
+        self._to_disk.discard(session_id)
         if self.snapshots is None:
             return None
         record = await self.snapshots.record(session_id)
@@ -465,6 +474,18 @@ class KVManager:
             return None
         need = max(capacity, len(snapshot_ids))
         await self._make_room(need * self.bytes_per_token, protect=())
+        if self.settings.share_prefixes and not from_disk:
+            # An idle eviction leaves the session's blocks in the pool, findable by their tokens, until their
+            # room is needed: when they still hold the snapshot's prefix (all but a partly filled last
+            # block), the cache is made from them and nothing is read.
+            pooled = await self.worker.call(lambda: _adopt_if_pooled(self.worker, snapshot_ids[:reuse], capacity))
+            if pooled is not None:
+                cache, length = pooled
+                self._entries[session_id] = _Entry(session_id, cache, list(snapshot_ids[:length]), self.clock(),
+                                                   busy=True)
+                self.counters.num_resumes_from_pool += 1
+                self.counters.num_prefix_shared_tokens += length
+                return Lease(session_id, cache, prompt, length, "device", None)
         cache = await self.worker.call(lambda: _new_reserved(self.worker, need))
         entry = _Entry(session_id, cache, [], self.clock(), busy=True)
         self._entries[session_id] = entry
@@ -531,6 +552,7 @@ class KVManager:
         entry = self._entries.get(session_id)
         if entry is not None:
             self._forget(entry, forget_blocks=True)
+        self._to_disk.discard(session_id)
         if self.snapshots is not None:
             await self.snapshots.delete(session_id)
         await self._notify_room()
@@ -589,6 +611,24 @@ class KVManager:
 
 async def _resolved(value: bool) -> bool:
     return value
+
+
+def _adopt_if_pooled(worker: EngineWorker, token_ids: Sequence[int], capacity: int) -> tuple[SessionKV, int] | None:
+    """Engine thread. A new cache made of the pool's registered blocks for ``token_ids`` and reserved to
+    ``capacity``, with how many positions it holds, when the pool holds every full block of them; else
+    None, and nothing changes."""
+    allocator = worker.runner.pool.allocator
+    full = len(token_ids) // allocator.block_size * allocator.block_size
+    if full == 0 or allocator.cached_prefix_len(token_ids) < full:
+        return None
+    cache = worker.runner.new_cache()
+    try:
+        length = cache.adopt_cached_prefix(token_ids, len(token_ids))
+        cache.reserve(capacity)
+    except BaseException:
+        cache.free()
+        raise
+    return cache, length
 
 
 def _new_reserved(worker: EngineWorker, capacity: int) -> SessionKV:

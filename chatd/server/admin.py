@@ -159,6 +159,7 @@ def render_stats(stats: Stats) -> dict[str, Any]:
         "snapshots_deleted_for_disk_budget": c.num_snapshots_deleted_for_budget,
         "prefix_shares": c.num_prefix_shares,
         "prefix_shared_tokens": c.num_prefix_shared_tokens,
+        "resumes_from_pool": c.num_resumes_from_pool,
         "engine": {"decode_steps": c.num_engine_decode_steps, "decoded_tokens": c.num_engine_decode_tokens,
                    "prefilled_tokens": c.num_engine_prefill_tokens},
     }

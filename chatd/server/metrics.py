@@ -68,6 +68,8 @@ class _StatsCollector(Collector):
             ("chatd_prefix_shares", "Caches started from a prefix already in the KV pool", c.num_prefix_shares),
             ("chatd_prefix_shared_tokens", "Tokens of prefixes shared from the KV pool instead of computed",
              c.num_prefix_shared_tokens),
+            ("chatd_resumes_from_pool", "Evicted sessions brought back from blocks still in the KV pool",
+             c.num_resumes_from_pool),
             ("chatd_turns", "Turns completed", c.num_turns),
             ("chatd_cached_tokens", "Prompt tokens served from a cache", c.num_cached_tokens),
             ("chatd_prefilled_tokens", "Prompt tokens computed", c.num_prefill_tokens),
