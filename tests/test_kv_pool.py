@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -250,6 +251,37 @@ async def test_sessions_starting_together_queue_their_caches_for_one_visit_of_th
     for lease in leases:
         kv.release(lease)
     await _verify(tiny_core)
+
+
+async def test_a_new_turn_joins_the_step_right_after_its_cache_is_made(tiny_core: Chatd,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """While other sessions decode, the engine prepares a new turn's cache between two steps; the turn's job
+    follows a few milliseconds later. The engine waits for it (JOB_WAIT_S) instead of starting the next
+    step at once, so the prompt is in that very step: it does not wait a whole step more."""
+    events: list[object] = []
+    real_step, real_new_cache = tiny_core.runner.step, tiny_core.runner.new_cache
+
+    def step(caches: list[SessionKV], runs: list[list[int]]) -> torch.Tensor:
+        events.append([len(run) for run in runs])
+        time.sleep(0.005)  # a step of some length, so the job can arrive while one runs
+        return real_step(caches, runs)
+
+    def new_cache() -> SessionKV:
+        events.append("new cache")
+        return real_new_cache()
+
+    monkeypatch.setattr(tiny_core.runner, "step", step)
+    monkeypatch.setattr(tiny_core.runner, "new_cache", new_cache)
+    svc = tiny_core.sessions
+    talker, newcomer = (await svc.create()).session_id, (await svc.create()).session_id
+    long_turn = svc.send(talker, "Tell me a long story.", greedy(120))
+    await _until(lambda: sum(isinstance(e, list) and e == [1] for e in events) >= 3)  # decoding alone
+    mark = len(events)
+    result = await svc.send(newcomer, "A question?", greedy(2)).wait()
+    assert isinstance(result, TurnResult) and isinstance(await long_turn.wait(), TurnResult)
+    made = events.index("new cache", mark)
+    next_step = next(e for e in events[made + 1:] if isinstance(e, list))
+    assert len(next_step) == 2 and max(next_step) > 1, events[made:made + 3]  # the decode row and the prompt
 
 
 async def test_room_queued_for_new_caches_counts_before_the_engine_makes_them(

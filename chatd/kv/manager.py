@@ -330,7 +330,8 @@ class KVManager:
             finally:
                 self._placed_bytes += need_bytes  # the worker thread is this counter's only writer
 
-        return self.worker.submit(run)
+        # Every caller is an acquire: the turn's generation job follows, and should join the next step.
+        return self.worker.submit(run, then_job=True)
 
     def _committed_bytes(self) -> int:
         """The pool's used bytes plus the room taken for engine work not run yet (an overestimate for a
