@@ -1,4 +1,5 @@
-"""Sampling parameters and next-token selection. Pure torch, no model."""
+"""Sampling parameters and next-token selection. Pure torch, no model. The logits may live on any device;
+only each row's top candidates (and a whole row for a draw over every token) come to the host."""
 
 from __future__ import annotations
 
@@ -107,7 +108,9 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     drawing = [r for r in range(num_rows) if not params[r].greedy]
     if not drawing:
         return picks
-    scores = (logits if len(drawing) == num_rows else logits[drawing]).float().cpu()  # [n, vocab] fp32
+    # The whole rows stay where the logits are (a GPU's memory); the host gets each row's finiteness and
+    # its top candidates, and a whole row only for a draw over every token or a very wide nucleus.
+    scores = (logits if len(drawing) == num_rows else logits[drawing]).float()  # [n, vocab] fp32
     # A row sum is finite when every score is (one fast pass); only the rows it flags are checked whole,
     # since finite scores of ~1e34 could overflow the sum.
     finite = torch.isfinite(scores.sum(dim=-1)).tolist()
@@ -115,7 +118,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         finite[i] = bool(torch.isfinite(scores[i]).all())
     top_ks = [params[r].top_k if 0 < params[r].top_k < vocab else 0 for r in drawing]
     width = max(k if k else min(vocab, NUCLEUS_CANDIDATES) for k in top_ks)
-    best_values, best_ids = torch.topk(scores, width, dim=-1)  # [n, width], best first
+    best_values, best_ids = (t.cpu() for t in torch.topk(scores, width, dim=-1))  # [n, width], best first
     for i, r in enumerate(drawing):
         if not finite[i]:
             picks[r] = SamplingError("the model produced non-finite logits")
@@ -127,15 +130,15 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
             probs = torch.softmax((values - values[0]) / p.temperature, dim=-1)
         else:
             # Every token is a candidate: probabilities over the whole row.
-            shifted = (scores[i] - values[0]) / p.temperature  # [vocab], best 0
+            shifted = (scores[i] - float(values[0])) / p.temperature  # [vocab], best 0
             if p.top_p >= 1.0:  # no nucleus either: a draw from the whole row, in token order
-                whole = torch.softmax(shifted, dim=-1)
+                whole = torch.softmax(shifted, dim=-1).cpu()
                 picks[r] = int(torch.multinomial(whole, 1, generator=generators[r]).item())
                 continue
-            probs = (shifted[ids] - torch.logsumexp(shifted, dim=0)).exp()
+            probs = ((values - values[0]) / p.temperature - float(torch.logsumexp(shifted, dim=0))).exp()
             if float(probs.sum()) < p.top_p:
                 # The nucleus is wider than the candidates: the row whole, best first.
-                values, ids = torch.sort(scores[i], descending=True)
+                values, ids = torch.sort(scores[i].cpu(), descending=True)
                 probs = torch.softmax((values - values[0]) / p.temperature, dim=-1)
         if p.top_p < 1.0:
             # Drop a candidate when the mass before it already reaches top_p; the first always stays.
