@@ -96,7 +96,8 @@ class PackedBf16Linear:
     """A dense bf16 projection whose weight oneDNN has reordered once, at load, into the blocked layout its
     CPU matmul (AMX tiles or AVX512-BF16) reads. A plain bf16 ``F.linear`` reorders the weight on every
     call: for this model's small matrices that reorder, not the multiply, was most of the cost
-    (docs/performance.md, "Prepacked bf16"). The results are those of ``F.linear`` in bf16."""
+    (docs/performance.md, "Quick run after the native steps between projections"). The results are those
+    of ``F.linear`` in bf16."""
 
     # The row count oneDNN is told to expect. Any count runs; 16 (a batched decode step) measured as fast
     # as the best hint for 1 to 512 rows.
