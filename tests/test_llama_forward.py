@@ -7,12 +7,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from benchmarks.quality import CHAT_PROMPTS, teacher_forced_agreement
 from chatd.config import ModelSettings
-from chatd.engine.llama import LlamaForward, weights_from_transformers
-from chatd.engine.runner import BF16_TWIN_MIN_ROWS, ModelRunner, compact_forward, gguf_forward, resolve_weights
+from chatd.engine.llama import DenseLinear, LlamaForward, PackedBf16Linear, takes_bf16, weights_from_transformers
+from chatd.engine.runner import (
+    BF16_TWIN_MIN_ROWS,
+    ModelRunner,
+    bf16_linear,
+    compact_forward,
+    gguf_forward,
+    resolve_weights,
+)
 from chatd.errors import ConfigError
 from tests.support import reference_greedy
 
@@ -157,3 +165,21 @@ def test_q4_wide_steps_track_the_dequantised_fp32_forward(q4_twin_runner: ModelR
     # Prompts prefill through the dense twin, and decode steps of 16 rows take it too.
     assert 2 * len(CHAT_PROMPTS) >= BF16_TWIN_MIN_ROWS
     _tracks_reference(q4_twin_runner, real_reference, copies=2)
+
+
+def test_prepacked_bf16_linear_equals_a_plain_bf16_matmul() -> None:
+    """The dense bf16 twin is reordered once at load for oneDNN; its products are F.linear's in bf16, for a
+    decode step's rows and a prompt chunk's alike, bias or not. Without oneDNN's ops, a plain bf16 linear."""
+    torch.manual_seed(5)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    if not PackedBf16Linear.available():
+        assert isinstance(bf16_linear(weight, bias), DenseLinear)
+        return
+    for b in (None, bias):
+        linear = bf16_linear(weight, b)
+        assert isinstance(linear, PackedBf16Linear) and takes_bf16(linear)
+        for rows in (1, 5, 16, 300):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            expected = F.linear(x, weight.to(torch.bfloat16), None if b is None else b.to(torch.bfloat16))
+            assert torch.equal(linear.bf16(x), expected)
+            assert torch.equal(linear(x.float()), expected.float())

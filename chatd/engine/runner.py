@@ -274,13 +274,13 @@ def compact_forward(model: Any, weights: str, device: torch.device) -> LlamaForw
         if weights == "int8":
             return Int8Linear.quantize(weight.float(), bias)
         if weights == "bfloat16" and device.type == "cpu":
-            return _bf16_linear(weight, bias)
+            return bf16_linear(weight, bias)
         return DenseLinear(weight.to(_DTYPES[weights]).contiguous(), bias)
 
     return LlamaForward(weights_from_transformers(model, make), device)
 
 
-def _bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     """A bf16 projection on the CPU: prepacked for oneDNN where torch has it, else a plain bf16 matmul."""
     if PackedBf16Linear.available():
         return PackedBf16Linear(weight, bias)
@@ -306,7 +306,7 @@ def gguf_forward(device: torch.device, dequantised: Any | None = None) -> LlamaF
     if dequantised is None:
         return LlamaForward(weights_from_gguf(gguf), device)
     if bf16_matmul_is_fast():
-        twin = weights_from_transformers(dequantised, _bf16_linear)
+        twin = weights_from_transformers(dequantised, bf16_linear)
         return LlamaForward(weights_from_gguf(gguf, twin, BF16_TWIN_MIN_ROWS), device)
     return LlamaForward(weights_from_gguf(gguf, weights_from_transformers(dequantised), FP32_TWIN_MIN_ROWS), device)
 
