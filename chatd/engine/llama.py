@@ -153,9 +153,9 @@ class Int8Linear:
 
 class RowSwitchLinear:
     """One projection held twice: ``small`` for batches of fewer than ``min_rows`` rows (decode), ``large``
-    for bigger ones (prefill chunks). The weight-only int4 kernel reads 4x fewer bytes than fp32 but its
-    cost grows with every row, while a dense fp32 matmul barely notices 16 more rows: on this kind of CPU
-    the two cross near 20-30 rows."""
+    for bigger ones (prefill chunks, wide decode steps). The weight-only int4 kernel reads 4x fewer bytes
+    than fp32 but its cost grows with every row, while a dense matmul barely notices 16 more rows: on this
+    kind of CPU a prepacked bf16 one overtakes it at about 8 rows, an fp32 one near 20-30."""
 
     def __init__(self, small: Linear, large: Linear, min_rows: int) -> None:
         self.small, self.large, self.min_rows = small, large, min_rows
