@@ -388,6 +388,8 @@ class TurnRunner:
                         result = event
         except BaseException:
             self.kv.release(lease, ok=False)
+            if not committing.done():  # e.g. the engine refused the job: the turn ends once its message is stored
+                await _settle(committing)
             raise
         self.kv.release(lease, generated_ids=result.generated_ids if result else ())
         if result is not None and self.kv.snapshots is not None:

@@ -124,6 +124,29 @@ async def test_a_failed_engine_leaves_the_user_message_marked(tiny_core: Chatd,
     assert [(m.role, m.unanswered) for m in stored] == [("user", True)]
 
 
+async def test_a_turn_the_engine_refuses_ends_only_after_its_message_is_stored(
+        tiny_core: Chatd, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The user message's commit runs alongside the cache's preparation; when the engine then refuses the
+    # job at once, the turn's failure must not be reported while the commit is still on its way.
+    svc = tiny_core.sessions
+    sid = (await svc.create()).session_id
+    real_append = tiny_core.repo.append_message
+
+    async def slow_append(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.3)
+        return await real_append(*args, **kwargs)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected generation failure")
+
+    monkeypatch.setattr(tiny_core.repo, "append_message", slow_append)
+    monkeypatch.setattr(tiny_core.worker, "generate", broken)
+    with pytest.raises(Exception):  # noqa: B017 - the kind is the service's business; the mark is checked
+        await svc.send(sid, "Hello", PARAMS).wait()
+    stored = await tiny_core.repo.get_messages(sid)
+    assert [(m.role, m.unanswered) for m in stored] == [("user", True)]
+
+
 # ----------------------------------------------------------------------------- over a real server
 
 
