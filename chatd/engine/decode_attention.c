@@ -25,6 +25,90 @@ int chatd_decode_attention_limits(int group, int head_dim, int block_size)
            block_size <= MAX_BLOCK;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* e^x for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor polynomial in r (relative error
+ * about 1e-7, a unit in the last place), scaled by 2^n. Lanes below -87.3 give 0 or a denormal, above
+ * 88.7 the largest finite value's neighbourhood; a NaN stays a NaN. */
+static inline __m512 exp16(__m512 x)
+{
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The same walk as attend_pair below, 16 lanes at a time: head_dim a multiple of 16, block_size <= 16
+ * (one vector of scores per query head and block). */
+static void attend_pair16(const float *restrict q, int64_t q_head_stride, float *restrict out,
+                          const float *restrict keys, const float *restrict values, const int32_t *restrict table,
+                          int length, int group, int head_dim, int block_size, float scale)
+{
+    __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
+    float score[MAX_GROUP][16] __attribute__((aligned(64)));
+    float best[MAX_GROUP], total[MAX_GROUP];
+    const int chunks = head_dim / 16;
+    for (int g = 0; g < group; g++) {
+        best[g] = -INFINITY;
+        total[g] = 0.0f;
+        for (int c = 0; c < chunks; c++)
+            acc[g][c] = _mm512_setzero_ps();
+    }
+    for (int start = 0, j = 0; start < length; start += block_size, j++) {
+        const int n = length - start < block_size ? length - start : block_size;
+        const __mmask16 live = (__mmask16)((1u << n) - 1u);
+        const int64_t first = (int64_t)table[j] * block_size * head_dim;
+        const float *k = keys + first, *v = values + first;
+        for (int t = 0; t < n; t++) {
+            const float *kt = k + (int64_t)t * head_dim;
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + g * q_head_stride;
+                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kt));
+                for (int c = 1; c < chunks; c++)
+                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(kt + 16 * c), dot);
+                score[g][t] = _mm512_reduce_add_ps(dot) * scale;
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            const __m512 s = _mm512_maskz_load_ps(live, score[g]);
+            const float top_here = _mm512_mask_reduce_max_ps(live, s);
+            const float top = top_here > best[g] ? top_here : best[g];
+            const float shrink = expf(best[g] - top); /* 0 on the first block (best = -inf) */
+            const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+            _mm512_store_ps(score[g], p);
+            total[g] = total[g] * shrink + _mm512_reduce_add_ps(p);
+            best[g] = top;
+            const __m512 by = _mm512_set1_ps(shrink);
+            for (int c = 0; c < chunks; c++)
+                acc[g][c] = _mm512_mul_ps(acc[g][c], by);
+        }
+        for (int t = 0; t < n; t++) {
+            const float *vt = v + (int64_t)t * head_dim;
+            for (int c = 0; c < chunks; c++) {
+                const __m512 vc = _mm512_loadu_ps(vt + 16 * c);
+                for (int g = 0; g < group; g++)
+                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(score[g][t]), vc, acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const __m512 inv = _mm512_set1_ps(total[g] > 0.0f ? 1.0f / total[g] : 0.0f);
+        for (int c = 0; c < chunks; c++)
+            _mm512_storeu_ps(out + g * head_dim + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+#endif
+
 static void attend_pair(const float *restrict q, int64_t q_head_stride, float *restrict out,
                         const float *restrict keys, const float *restrict values, const int32_t *restrict table,
                         int length, int group, int head_dim, int block_size, float scale)
@@ -101,6 +185,13 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
         const int r = pair / num_kv_heads, h = pair % num_kv_heads;
         const float *qr = q + (int64_t)row_index[r] * q_row_stride + (int64_t)h * group * head_dim;
         float *o = out + (int64_t)row_index[r] * num_heads * head_dim + (int64_t)h * group * head_dim;
+#if defined(__AVX512F__)
+        if (head_dim % 16 == 0 && block_size <= 16) {
+            attend_pair16(qr, head_dim, o, keys + h * head_stride, values + h * head_stride,
+                          tables + (int64_t)r * table_stride, lengths[r], group, head_dim, block_size, scale);
+            continue;
+        }
+#endif
         attend_pair(qr, head_dim, o, keys + h * head_stride, values + h * head_stride,
                     tables + (int64_t)r * table_stride, lengths[r], group, head_dim, block_size, scale);
     }
@@ -173,6 +264,32 @@ static inline float from_bf16(uint16_t b)
     return f;
 }
 
+#if defined(__AVX512F__)
+/* 16 bf16 values to fp32, and 16 fp32 values to bf16 rounded as to_bf16 rounds (to nearest even, NaN kept
+ * quiet; denormals kept, unlike the hardware conversion instruction). */
+static inline __m512 load_bf16x16(const uint16_t *src)
+{
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+
+static inline __m512 maskz_load_bf16x16(__mmask16 m, const uint16_t *src)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src)), 16));
+}
+
+static inline __m256i bf16x16(__m512 f)
+{
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan,
+                                    _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+#endif
+
 /* The residual add and the RMSNorm that follows it, for every row:
  *   h[r] += add[r] (bf16, row stride add_stride elements; skipped when add is NULL), in place, in fp32;
  *   out[r] = bf16((h[r] * 1/sqrt(mean(h[r]^2) + eps)) * weight), out contiguous [rows, hidden].
@@ -183,6 +300,30 @@ void chatd_add_rms_norm(float *h, const uint16_t *add, int64_t add_stride, const
 #pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * hidden >= 65536)
     for (int r = 0; r < rows; r++) {
         float *x = h + (int64_t)r * hidden;
+#if defined(__AVX512F__)
+        {
+            const uint16_t *a = add != NULL ? add + (int64_t)r * add_stride : NULL;
+            __m512 squares16 = _mm512_setzero_ps();
+            for (int d = 0; d < hidden; d += 16) {
+                const __mmask16 m = hidden - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hidden - d)) - 1u);
+                __m512 xd = _mm512_maskz_loadu_ps(m, x + d);
+                if (a != NULL) {
+                    xd = _mm512_add_ps(xd, maskz_load_bf16x16(m, a + d));
+                    _mm512_mask_storeu_ps(x + d, m, xd);
+                }
+                squares16 = _mm512_fmadd_ps(xd, xd, squares16);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares16) / (float)hidden + eps));
+            uint16_t *o = out + (int64_t)r * hidden;
+            for (int d = 0; d < hidden; d += 16) {
+                const __mmask16 m = hidden - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hidden - d)) - 1u);
+                const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + d), inv),
+                                               _mm512_maskz_loadu_ps(m, weight + d));
+                _mm256_mask_storeu_epi16(o + d, m, bf16x16(y));
+            }
+            continue;
+        }
+#endif
         if (add != NULL) {
             const uint16_t *a = add + (int64_t)r * add_stride;
             for (int d = 0; d < hidden; d++)
@@ -206,7 +347,16 @@ void chatd_silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
     for (int r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
         uint16_t *o = out + (int64_t)r * inter;
-        for (int j = 0; j < inter; j++) {
+        int j = 0;
+#if defined(__AVX512F__)
+        for (; j + 16 <= inter; j += 16) {
+            const __m512 x = load_bf16x16(g + j);
+            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            _mm256_storeu_si256((__m256i *)(o + j), bf16x16(_mm512_mul_ps(silu, load_bf16x16(u + j))));
+        }
+#endif
+        for (; j < inter; j++) {
             const float x = from_bf16(g[j]);
             o[j] = to_bf16(x / (1.0f + expf(-x)) * from_bf16(u[j]));
         }
