@@ -16,6 +16,11 @@ A second table times one pass over every projection of all 30 layers plus the LM
 weights per layer: the real working set (fp32 ~540 MB, more than this CPU's caches; int4 ~75 MB), so
 memory traffic counts as it does in a decode step; the LM head there is fp32 / q8_0 / int8.
 
+A third table is the engine's decode path, bf16 in and out, over the same 30 layers' projections (no
+LM head): the int4 kernel (``Int4Linear.bf16``), the native AMX kernel (``AmxQ4Linear``'s
+``q4_matmul``, where the CPU has AMX tiles) and the prepacked bf16 twin (``PackedBf16Linear``). It sets
+``chatd.engine.quant.AMX_MIN_ROWS``, and shows why a model on AMX needs no dense twin of its layers.
+
 Random Q4_1/Q8_0 weights (speed only). Each figure is the best of ``--repeat`` timed loops, the least
 disturbed by other load on a shared machine; still rough.
 """
@@ -30,7 +35,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from chatd.engine.quant import Int4Linear, Int8RowLinear, Q4_1Weight, Q8_0Linear, Q8_0Weight
+from chatd.dev import CACHE_DIR
+from chatd.engine.llama import PackedBf16Linear
+from chatd.engine.native import load_kernels
+from chatd.engine.quant import Int4Linear, Int8RowLinear, Q4_1Weight, Q8_0Linear, Q8_0Weight, pack_q4_tiles
 
 SHAPES = [  # (label, K, N)
     ("576x576 (q, o)", 576, 576),
@@ -89,6 +97,7 @@ def main() -> None:
         for label, k, n in SHAPES:
             shape_rows(label, k, n, args.repeat)
         model_pass(args.repeat)
+        decode_pass(args.repeat)
 
 
 def shape_rows(label: str, k: int, n: int, repeat: int) -> None:
@@ -131,6 +140,38 @@ def model_pass(repeat: int) -> None:
         fp32_ms, int4_ms, int8_ms = (best_ms(partial(run_all, methods, in_features, inputs), repeat, budget_s=0.0)
                                      for methods in variants)
         print(f"| {m} | {fp32_ms:.2f} | {int4_ms:.2f} | {int8_ms:.2f} | {fp32_ms / int4_ms:.1f}x |", flush=True)
+
+
+def decode_pass(repeat: int) -> None:
+    """All layers' projections, bf16 to bf16, as the fused decode step calls them."""
+    kernels = load_kernels(CACHE_DIR / "native")
+    weights = [random_q4_1(n, k) for _ in range(LAYERS) for k, n in LAYER_SHAPES]
+    int4 = [Int4Linear(w) for w in weights]
+    twin = [PackedBf16Linear(w.dequantize()) if PackedBf16Linear.available() else None for w in weights]
+    amx = [(pack_q4_tiles(w), w.shape[0]) for w in weights] if kernels is not None and kernels.q4_amx else []
+
+    def run(kind: str, inputs: dict[int, torch.Tensor]) -> None:
+        for index, weight in enumerate(weights):
+            x = inputs[weight.shape[1]]
+            if kind == "int4":
+                int4[index].bf16(x)
+            elif kind == "amx" and kernels is not None:
+                kernels.q4_matmul(x, *amx[index])
+            elif kind == "twin" and twin[index] is not None:
+                twin[index].bf16(x)
+
+    print()
+    print(f"Decode path: {LAYERS} layers x (q|k|v, o, gate|up, down), bf16 in and out, distinct weights per layer"
+          + ("" if amx else " (no AMX tiles here: that column is empty)"))
+    print()
+    print("| M | int4 ms | AMX ms | bf16 twin ms |")
+    print("| --- | --- | --- | --- |")
+    for m in (1, 2, 4, 8, 16, 32, 64, 128):
+        inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (576, 1536)}
+        cells = [best_ms(partial(run, kind, inputs), repeat, budget_s=0.0)
+                 if (kind != "amx" or amx) and (kind != "twin" or twin[0] is not None) else None
+                 for kind in ("int4", "amx", "twin")]
+        print(f"| {m} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

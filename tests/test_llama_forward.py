@@ -118,15 +118,18 @@ def test_weights_resolution() -> None:
 
 # q4 runs natively between its projections where the kernels are built (as the server runs it), else
 # through torch's ops; both must track the reference.
-_Q4_PATHS = ["native", "torch"]
+_Q4_PATHS = ["native", "torch", "amx"]
 
 
 def _q4(real_runner: ModelRunner, path: str, dequantised: torch.nn.Module | None) -> ModelRunner:
-    forward = gguf_forward(torch.device("cpu"), dequantised)
+    kernels = real_runner.forward.kernels if real_runner.forward is not None else None
+    if path == "amx" and (kernels is None or not kernels.q4_amx):
+        pytest.skip("this CPU has no AMX tiles")
+    forward = gguf_forward(torch.device("cpu"), dequantised, kernels if path == "amx" else None)
     assert forward.bf16_projections
-    if path == "native":
-        assert real_runner.forward is not None and real_runner.forward.kernels is not None
-        forward.kernels = real_runner.forward.kernels
+    if path != "torch":
+        assert kernels is not None
+        forward.kernels = kernels
     return ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, forward)
 
 

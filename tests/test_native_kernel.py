@@ -1,6 +1,7 @@
-"""The native decode-attention kernel (chatd/engine/decode_attention.c): built once per machine and cached,
-equal to torch's attention over the same block tables, and used by the compact forward's decode steps
-with the same greedy tokens as without it."""
+"""The native kernels (chatd/engine/decode_attention.c, q4_matmul.c): built once per machine and cached;
+decode attention equal to torch's over the same block tables, and used by the compact forward's decode
+steps with the same greedy tokens as without it; the element-wise steps equal to torch's; the AMX Q4_1
+matmul equal to a matmul by the bf16 dequantised weights."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from chatd.engine.kvcache import KVPool, attend
+from chatd.engine.llama import PackedBf16Linear, RowSwitchLinear
 from chatd.engine.native import EngineKernels, build, load_kernels
+from chatd.engine.quant import AMX_MIN_ROWS, AmxQ4Linear, Q4_1Weight, pack_q4_tiles
 from chatd.engine.runner import ModelRunner, gguf_forward
 
 
@@ -241,3 +244,58 @@ def test_q4_steps_between_projections_run_natively_with_torchs_results(real_runn
             for row, is_clear in enumerate(clear):
                 if is_clear:
                     assert int(a[row].argmax()) == int(b[row].argmax())
+
+
+def _q4_weight(n: int, k: int, seed: int) -> Q4_1Weight:
+    generator = torch.Generator().manual_seed(seed)
+    return Q4_1Weight(scale=(torch.rand(n, k // 32, generator=generator) * 0.01).half(),
+                      minimum=(-torch.rand(n, k // 32, generator=generator) * 0.08).half(),
+                      quants=torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8))
+
+
+def test_the_amx_q4_matmul_equals_the_bf16_weights_matmul(kernel: EngineKernels) -> None:
+    """The AMX kernel multiplies by exactly the bf16 copy of the dequantised weight (the dense twin's
+    weights), for any row count: one slice of rows, partial slices, several slices and several passes of
+    64 rows. Only the order of the fp32 sums differs from a bf16 matmul."""
+    if not kernel.q4_amx:
+        pytest.skip("this CPU has no AMX tiles: the q4 projections use the int4 kernel (tested in test_quant.py)")
+    for n, k in ((48, 64), (960, 576), (576, 1536)):
+        weight = _q4_weight(n, k, n + k)
+        tiles = pack_q4_tiles(weight)
+        assert tiles.shape == (n // 16, k // 32, 320)
+        exact = weight.dequantize().to(torch.bfloat16).float()  # [n, k]
+        for m in (1, 3, 16, 17, 40, 64, 100, 150):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            want = x.float() @ exact.T
+            got = kernel.q4_matmul(x, tiles, n).float()
+            scale = want.abs().max()
+            # the output is rounded to bf16 once: within a bf16 rounding of the largest output
+            assert (got - want).abs().max() <= 2 ** -8 * scale, (n, k, m)
+    with pytest.raises(ValueError):
+        kernel.q4_matmul(torch.randn(2, 64).to(torch.bfloat16), pack_q4_tiles(_q4_weight(32, 64, 1)), 48)
+
+
+def test_the_amx_linear_serves_few_rows_with_the_int4_kernel(kernel: EngineKernels,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if not kernel.q4_amx:
+        pytest.skip("this CPU has no AMX tiles")
+    linear = AmxQ4Linear(_q4_weight(64, 96, 7), kernel)
+    calls = []
+    monkeypatch.setattr(kernel, "q4_matmul", lambda *args: calls.append(args[0].shape[0]) or torch.zeros(0))
+    for m in range(1, 7):
+        linear.bf16(torch.randn(m, 96).to(torch.bfloat16))
+    assert calls == list(range(AMX_MIN_ROWS, 7))
+
+
+def test_the_packaged_model_runs_its_q4_blocks_on_amx(real_runner: ModelRunner) -> None:
+    """With AMX, every Q4_1 projection of the packaged model is an AMX one, for every batch (no dense twin
+    of the layers); only the Q8_0 LM head has a bf16 twin, for steps of many rows."""
+    kernels = real_runner.forward.kernels if real_runner.forward is not None else None
+    assert kernels is not None
+    if not kernels.q4_amx:
+        pytest.skip("this CPU has no AMX tiles")
+    forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
+    for layer in forward.weights.layers:
+        assert all(isinstance(p, AmxQ4Linear) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    head = forward.weights.lm_head
+    assert isinstance(head, RowSwitchLinear) and isinstance(head.large, PackedBf16Linear)

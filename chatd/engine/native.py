@@ -1,7 +1,8 @@
-"""The engine's native CPU kernels (``decode_attention.c``): RoPE with the K/V write into the paged pool,
-and decode attention over it.
+"""The engine's native CPU kernels: RoPE with the K/V write into the paged pool, decode attention over
+it and the element-wise steps between a layer's projections (``decode_attention.c``), and the Q4_1
+matmul on AMX tiles (``q4_matmul.c``).
 
-It is compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for this very CPU
+They are compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for this very CPU
 (``-march=native``), cached under ``<data_dir>/native`` by a hash of the source, the flags, the compiler
 and the CPU, and loaded with ctypes; a restart loads the cached library. Where no compiler is found or
 the build fails, :func:`load_kernels` says why in the log and returns None, and the engine keeps
@@ -28,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCES = (Path(__file__).with_name("decode_attention.c"), Path(__file__).with_name("q4_matmul.c"))
 # -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
@@ -63,7 +64,8 @@ def build(cache_dir: Path) -> Path:
                                  check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"the C compiler {compiler} does not run: {exc}") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, platform.machine(),
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, *COMPILE_FLAGS, *LINK_FLAGS, version, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     target = cache_dir / f"engine-kernels-{key}.so"
     if target.exists():
@@ -71,15 +73,17 @@ def build(cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
         built = Path(scratch) / target.name
-        obj = built.with_suffix(".o")
-        for command in ([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)],
-                        [compiler, *LINK_FLAGS, str(obj), "-o", str(built), "-lm"]):
+        objects = [str(Path(scratch) / f"{source.stem}.o") for source in SOURCES]
+        commands = [([compiler, *COMPILE_FLAGS, str(source), "-o", obj], source.name)
+                    for source, obj in zip(SOURCES, objects, strict=True)]
+        commands.append(([compiler, *LINK_FLAGS, *objects, "-o", str(built), "-lm"], target.name))
+        for command, name in commands:
             try:
                 result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             except (OSError, subprocess.SubprocessError) as exc:
-                raise RuntimeError(f"building {SOURCE.name} failed: {exc}") from None
+                raise RuntimeError(f"building {name} failed: {exc}") from None
             if result.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr.strip()[-2000:]}")
+                raise RuntimeError(f"building {name} failed:\n{result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a concurrent start sees the whole library or none
     log.info("built the native engine kernels: %s", target)
     return target
@@ -104,6 +108,11 @@ class EngineKernels:
         self._silu_mul = lib.chatd_silu_mul
         self._silu_mul.argtypes = [p, p, i32, i32, i32]
         self._silu_mul.restype = None
+        self._q4_matmul = lib.chatd_q4_matmul
+        self._q4_matmul.argtypes = [p, i32, i32, p, i32, p, i32]
+        self._q4_matmul.restype = i32
+        # AMX tiles: compiled in (the CPU has them) and granted to this process by the kernel
+        self.q4_amx = bool(lib.chatd_q4_amx_ready())
         self._limits = lib.chatd_decode_attention_limits
         self._limits.argtypes = [i32, i32, i32]
         self._limits.restype = i32
@@ -152,6 +161,18 @@ class EngineKernels:
             raise ValueError("silu_mul: unexpected dtypes or layouts")
         out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+    def q4_matmul(self, x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+        """bf16 ``x`` ``[M, K]`` (contiguous) times a Q4_1 weight ``[n, K]`` packed by
+        :func:`chatd.engine.quant.pack_q4_tiles`, as a new bf16 ``[M, n]``. Only where :attr:`q4_amx`."""
+        m, k = x.shape
+        if not (self.q4_amx and x.dtype == torch.bfloat16 and x.is_contiguous() and tiles.dtype == torch.uint8
+                and tiles.is_contiguous() and n % 16 == 0 and k % 32 == 0 and tiles.numel() == n * k * 5 // 8):
+            raise ValueError("q4_matmul: unexpected dtypes or layouts, or no AMX here")
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if m and self._q4_matmul(x.data_ptr(), m, k, tiles.data_ptr(), n, out.data_ptr(), torch.get_num_threads()):
+            raise RuntimeError("q4_matmul: this build has no AMX kernel")
         return out
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,

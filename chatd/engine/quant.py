@@ -35,16 +35,18 @@ rows differently): pack on the machine that runs them, never store them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import gguf
 import numpy as np
 import torch
 
 GROUP_SIZE = 32  # weights per ggml block, and the kernel's group size
+# From this many rows a Q4_1 projection runs on AMX tiles where the CPU has them (benchmarks/quant_matmul.py)
+AMX_MIN_ROWS = 4
 _Q4_1_BLOCK_BYTES = 20
 _Q8_0_BLOCK_BYTES = 34
 _INNER_K_TILES = 2  # required by the packing op's signature; the CPU packing does not depend on it
@@ -205,6 +207,56 @@ class Int4Linear(torch.nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scale_zeros)
 
 
+def pack_q4_tiles(weight: Q4_1Weight) -> torch.Tensor:
+    """A Q4_1 ``[N, K]`` weight in the native AMX kernel's layout (``chatd/engine/q4_matmul.c``): uint8
+    ``[N / 16, K / 32, 320]``, per tile of 16 outputs by 32 inputs the 512 quants in AMX's pairwise
+    order, two per byte, then the 16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
+    n, k = weight.shape
+    if n % 16 or k % GROUP_SIZE:
+        raise ValueError(f"the AMX kernel needs N a multiple of 16 and K of 32, got {n} x {k}")
+    groups, blocks = n // 16, k // GROUP_SIZE
+    # [group, output, block, pair row, pair] -> [group, block, pair row, output * 2 + pair]
+    q = weight.quants.view(groups, 16, blocks, 16, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 16, 32)
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(groups, blocks, 256)
+
+    def per_tile(values: torch.Tensor) -> torch.Tensor:  # [N, K/32] fp16 -> [groups, blocks, 32] bytes
+        return values.view(groups, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles, per_tile(weight.scale), per_tile(weight.minimum)], dim=-1).contiguous()
+
+
+class AmxQ4Linear:
+    """``y = x @ W^T`` for a Q4_1 weight on AMX tiles (:meth:`EngineKernels.q4_matmul`), bf16 in and out.
+
+    Each tile of the weight is dequantised once per call, for every row: the values are exactly the bf16
+    copy of the dequantised fp32 weight (the dense twin's), at the quantised weight's memory traffic.
+    Below ``AMX_MIN_ROWS`` rows the int4 kernel is ahead (it dequantises per row, but more cheaply), so
+    those calls go to it.
+    """
+
+    takes_bf16 = True
+
+    def __init__(self, weight: Q4_1Weight, kernels: Any) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.tiles = pack_q4_tiles(weight)
+        self.kernels = kernels
+        self.int4 = Int4Linear(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        a = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        return self.bf16(a).to(torch.float32).reshape(*lead, self.out_features)
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 ``[M, K]`` (contiguous) -> bf16 ``[M, N]``."""
+        if x.shape[0] < AMX_MIN_ROWS:
+            return self.int4.bf16(x)
+        return cast(torch.Tensor, self.kernels.q4_matmul(x, self.tiles, self.out_features))
+
+
+Q4Linear = Int4Linear | AmxQ4Linear
+
+
 class Q8_0Linear(torch.nn.Module):
     """``y = x @ W^T`` for a Q8_0 weight (the LM head), exactly represented in the int4 kernel.
 
@@ -296,11 +348,11 @@ class LayerWeights:
     transformers' rotate-half RoPE layout; ``gate_up(x)`` splits as ``[intermediate, intermediate]``."""
 
     attn_norm: torch.Tensor  # [H] fp32
-    qkv: Int4Linear  # H -> q_size + 2 * kv_size
-    o: Int4Linear  # q_size -> H
+    qkv: Q4Linear  # H -> q_size + 2 * kv_size
+    o: Q4Linear  # q_size -> H
     ffn_norm: torch.Tensor  # [H] fp32
-    gate_up: Int4Linear  # H -> 2 * I
-    down: Int4Linear  # I -> H
+    gate_up: Q4Linear  # H -> 2 * I
+    down: Q4Linear  # I -> H
 
 
 @dataclass(frozen=True)
@@ -357,9 +409,10 @@ def _typed(tensors: dict[str, Any], name: str, kind: type[_T]) -> _T:
     return value
 
 
-def read_layer(reader: gguf.GGUFReader, dims: LlamaDims, index: int) -> LayerWeights:
-    """Decoder layer ``index`` of a llama GGUF with Q4_1 matrices, packed for the int4 kernel (q and k
-    rows reordered to transformers' layout, q|k|v and gate|up fused)."""
+def read_layer(reader: gguf.GGUFReader, dims: LlamaDims, index: int,
+               make: Callable[[Q4_1Weight], Q4Linear] = Int4Linear) -> LayerWeights:
+    """Decoder layer ``index`` of a llama GGUF with Q4_1 matrices, each made a projection by ``make`` (the
+    int4 kernel's by default; q and k rows reordered to transformers' layout, q|k|v and gate|up fused)."""
     tensors = {t.name: t for t in reader.tensors}
     p = f"blk.{index}."
 
@@ -371,19 +424,24 @@ def read_layer(reader: gguf.GGUFReader, dims: LlamaDims, index: int) -> LayerWei
                     q4("attn_v.weight")])
     return LayerWeights(
         attn_norm=_typed(tensors, p + "attn_norm.weight", torch.Tensor),
-        qkv=Int4Linear(qkv),
-        o=Int4Linear(q4("attn_output.weight")),
+        qkv=make(qkv),
+        o=make(q4("attn_output.weight")),
         ffn_norm=_typed(tensors, p + "ffn_norm.weight", torch.Tensor),
-        gate_up=Int4Linear(cat_rows([q4("ffn_gate.weight"), q4("ffn_up.weight")])),
-        down=Int4Linear(q4("ffn_down.weight")),
+        gate_up=make(cat_rows([q4("ffn_gate.weight"), q4("ffn_up.weight")])),
+        down=make(q4("ffn_down.weight")),
     )
 
 
-def load_gguf_weights(path: str | Path, lm_head: str = "q8_0") -> GGUFWeights:
+def load_gguf_weights(path: str | Path, lm_head: str = "q8_0", kernels: Any | None = None) -> GGUFWeights:
     """Read a llama GGUF whose matrices are Q4_1 (token embedding / LM head Q8_0) and pack them for the
-    int4 kernel. ``lm_head``: ``"q8_0"`` (exact, :class:`Q8_0Linear`) or ``"int8_rows"``
+    int4 kernel, or for the native AMX kernel where ``kernels`` (:class:`chatd.engine.native.EngineKernels`)
+    has it. ``lm_head``: ``"q8_0"`` (exact, :class:`Q8_0Linear`) or ``"int8_rows"``
     (:class:`Int8RowLinear`). A separate ``output.weight`` is used for the head when the file has one.
     Takes ~3.5 s on one core here; the result holds no fp32 copy of a quantized matrix."""
+    make: Callable[[Q4_1Weight], Q4Linear] = Int4Linear
+    if kernels is not None and kernels.q4_amx:
+        def make(weight: Q4_1Weight) -> Q4Linear:
+            return AmxQ4Linear(weight, kernels)
     reader = gguf.GGUFReader(str(path))
     dims = read_dims(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -398,6 +456,6 @@ def load_gguf_weights(path: str | Path, lm_head: str = "q8_0") -> GGUFWeights:
         raise ValueError(f"lm_head must be 'q8_0' or 'int8_rows', got {lm_head!r}")
     return GGUFWeights(
         dims=dims, embed_tokens=embed,
-        layers=tuple(read_layer(reader, dims, i) for i in range(dims.num_layers)),
+        layers=tuple(read_layer(reader, dims, i, make) for i in range(dims.num_layers)),
         final_norm=_typed(tensors, "output_norm.weight", torch.Tensor), lm_head=head,
     )

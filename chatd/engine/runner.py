@@ -49,7 +49,7 @@ from chatd.engine.llama import (
     weights_from_gguf,
     weights_from_transformers,
 )
-from chatd.engine.native import load_kernels
+from chatd.engine.native import EngineKernels, load_kernels
 from chatd.engine.quant import load_gguf_weights
 from chatd.errors import ConfigError
 
@@ -294,17 +294,26 @@ BF16_TWIN_MIN_ROWS = 8
 FP32_TWIN_MIN_ROWS = 32
 
 
-def gguf_forward(device: torch.device, dequantised: Any | None = None) -> LlamaForward:
+def gguf_forward(device: torch.device, dequantised: Any | None = None,
+                 kernels: EngineKernels | None = None) -> LlamaForward:
     """The compact forward over the packaged GGUF's own Q4_1 / Q8_0 blocks (CPU int4 kernel).
 
     ``dequantised``: the converted fp32 model (the same weights, dequantised exactly). Batches of several
     rows (prefill chunks, decode steps of many sessions) run a dense twin made from it: bf16 on a CPU with
-    bf16 matmul units, else fp32 for prefill-sized batches; single-session decode steps run the blocks."""
+    bf16 matmul units, else fp32 for prefill-sized batches; single-session decode steps run the blocks.
+    ``kernels`` with AMX (:attr:`EngineKernels.q4_amx`): the Q4_1 blocks run on AMX tiles for every batch
+    (their cost is nearly flat in the rows, at the blocks' memory traffic: ahead of the twin from one
+    decode row to a 256-token prompt chunk, ``python -m benchmarks.quant_matmul``), and only the LM head
+    (Q8_0) has a bf16 twin."""
     if device.type != "cpu":
         raise ConfigError('model.weights = "q4" runs on the CPU; use bfloat16 on CUDA')
-    gguf = load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF)
+    amx = kernels is not None and kernels.q4_amx
+    gguf = load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF, kernels=kernels if amx else None)
     if dequantised is None:
         return LlamaForward(weights_from_gguf(gguf), device)
+    if amx:
+        head = bf16_linear(dequantised.lm_head.weight.detach(), None)
+        return LlamaForward(weights_from_gguf(gguf, None, BF16_TWIN_MIN_ROWS, head), device)
     if bf16_matmul_is_fast():
         twin = weights_from_transformers(dequantised, bf16_linear)
         return LlamaForward(weights_from_gguf(gguf, twin, BF16_TWIN_MIN_ROWS), device)
@@ -364,15 +373,15 @@ class ModelRunner:
         config = model.config.get_text_config()
         weights = resolve_weights(settings.weights, device, config, has_gguf=has_gguf)
         forward: LlamaForward | None = None
+        native = weights != "transformers" and device.type == "cpu" and dtype == torch.float32
+        kernels = load_kernels(data_dir / "native") if native else None
         if weights == "q4":
-            forward = gguf_forward(device, model)
+            forward = gguf_forward(device, model, kernels)
         elif weights != "transformers":
             forward = compact_forward(model, weights, device)
-        if forward is not None and device.type == "cpu" and dtype == torch.float32:
-            kernels = load_kernels(data_dir / "native")
+        if forward is not None and kernels is not None:
             shape = forward.shape
-            if kernels is not None and kernels.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                                                        BLOCK_SIZE):
+            if kernels.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim, BLOCK_SIZE):
                 forward.kernels = kernels
         if weights not in ("transformers", "float32"):
             # K/V computed with other weights differ: their snapshots must never mix.

@@ -1,0 +1,168 @@
+/* chatd's weight-stationary Q4_1 matmul for the CPU's AMX tiles (chatd/engine/native.py builds and loads
+ * this file next to decode_attention.c; chatd/engine/quant.py's AmxQ4Linear packs the weights).
+ *
+ * y[M, N] = x[M, K] @ W^T for bf16 x and y and a Q4_1 weight W (per block of 32 inputs: w = d * q + m,
+ * q in 0..15, d and m fp16). Each block of 16 outputs by 32 inputs is read once and dequantised once into
+ * a bf16 tile, which then multiplies every row of x: the cost of a call is the weight's 0.625 bytes per
+ * value plus the dequantisation, nearly flat in M, where a dequantise-per-row kernel pays for every row.
+ * A value is dequantised as bf16(fp32(fp32(d * q) + m)), exactly the bf16 copy of the fp32 weights
+ * that chatd's dense twin holds, so the two paths differ only in the order of the fp32 sums.
+ *
+ * Packed layout, per tile (16 outputs n0..n0+15, inputs kb*32..kb*32+31), 320 bytes:
+ *   16 rows of 16 bytes: row r holds the 32 values (n, k) = (n0 + e / 2, kb * 32 + 2r + e % 2), e = 0..31,
+ *     value e in the low nibble of byte e for e < 16 and in the high nibble of byte e - 16 otherwise. Once
+ *     dequantised, row r is row r of the tile's B operand in AMX's pairwise (VNNI) layout;
+ *   16 fp16 d, then 16 fp16 m, one per output.
+ * Tiles run over kb within an output group: tile (g, kb) is at ((g * K / 32) + kb) * 320.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define TILE_BYTES 320
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define MAX_M_TILES 4 /* rows per pass: 4 accumulator tiles of 16 */
+/* gcc's tile load and store intrinsics are asm statements that do not tell the compiler they read or
+ * write memory: without this fence it may drop the stores of a dequantised tile that only a tile load
+ * reads, or read an accumulator's copy before the tile store has written it. */
+#define PREFETCH_AHEAD 4 /* tiles */
+#define MEMORY_FENCE() __asm__ __volatile__("" ::: "memory")
+
+struct tile_config {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* 1 when this process may use the AMX tile registers (Linux asks each process to request them). */
+int chatd_q4_amx_ready(void)
+{
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* Tiles 0..3: accumulators (16 fp32 per row), one per 16-row slice of x; 4: a full slice of x; 5: the
+ * last slice when it is partial (it and its accumulator have that many rows); 6 and 7: dequantised weight
+ * tiles (16 pair rows of 32 bf16), alternate input blocks, so one block's dequantisation overlaps the
+ * previous block's multiplication. */
+static void configure(int rows)
+{
+    const int full = rows / 16, tail_rows = rows % 16;
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    if (tail_rows > 0) {
+        cfg.rows[5] = (uint8_t)tail_rows;
+        cfg.rows[full] = (uint8_t)tail_rows;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline void dequantise(const uint8_t *tile, uint16_t *restrict out /* [16][32] */)
+{
+    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
+    const __m512 d_lo = _mm512_permutexvar_ps(pairs_lo, d), d_hi = _mm512_permutexvar_ps(pairs_hi, d);
+    const __m512 m_lo = _mm512_permutexvar_ps(pairs_lo, m), m_hi = _mm512_permutexvar_ps(pairs_hi, m);
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int r = 0; r < 16; r++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(tile + 16 * r));
+        const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+        const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+        /* d * q is exact in fp32 (11 by 4 significant bits): one fused rounding is the twin's two */
+        const __m512 w_lo = _mm512_fmadd_ps(q_lo, d_lo, m_lo);
+        const __m512 w_hi = _mm512_fmadd_ps(q_hi, d_hi, m_hi);
+        _mm512_store_si512((__m512i *)(out + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    }
+}
+
+/* Rows [row0, row0 + rows) of x against output group g, every input block, then y's 16 columns. */
+#define MULTIPLY(A, C, B)                                                                                      \
+    _tile_loadd(A, x + (int64_t)(row0 + 16 * (C)) * k + 32 * kb, 2 * k);                                       \
+    _tile_dpbf16ps(C, A, B)
+#define MULTIPLY_ALL(B)                                                                                        \
+    do {                                                                                                       \
+        _tile_loadd(B, buffer, 64);                                                                            \
+        if (slices > 0) { if (full > 0) { MULTIPLY(4, 0, B); } else { MULTIPLY(5, 0, B); } }                   \
+        if (slices > 1) { if (full > 1) { MULTIPLY(4, 1, B); } else { MULTIPLY(5, 1, B); } }                   \
+        if (slices > 2) { if (full > 2) { MULTIPLY(4, 2, B); } else { MULTIPLY(5, 2, B); } }                   \
+        if (slices > 3) { if (full > 3) { MULTIPLY(4, 3, B); } else { MULTIPLY(5, 3, B); } }                   \
+    } while (0)
+
+static void output_group(const uint16_t *x, int rows, int row0, int k, const uint8_t *tiles, int g,
+                         uint16_t *y, int n, uint16_t *b /* [2][16][32], 64-byte aligned */, float *c /* [64][16] */)
+{
+    const int blocks = k / 32, full = rows / 16, tail = rows % 16, slices = full + (tail > 0);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint8_t *group = tiles + (int64_t)g * blocks * TILE_BYTES;
+    for (int kb = 0; kb < blocks; kb++) {
+        uint16_t *buffer = b + 512 * (kb & 1);
+        const uint8_t *tile = group + (int64_t)kb * TILE_BYTES;
+        for (int line = 0; line < TILE_BYTES; line += 64)
+            _mm_prefetch((const char *)tile + PREFETCH_AHEAD * TILE_BYTES + line, _MM_HINT_T0);
+        dequantise(tile, buffer);
+        MEMORY_FENCE();
+        /* full slices use tile 4, the partial last one tile 5 (its row count is in the configuration) */
+        if (kb & 1)
+            MULTIPLY_ALL(7);
+        else
+            MULTIPLY_ALL(6);
+    }
+    _tile_stored(0, c, 64);
+    if (slices > 1) _tile_stored(1, c + 16 * 16, 64);
+    if (slices > 2) _tile_stored(2, c + 32 * 16, 64);
+    if (slices > 3) _tile_stored(3, c + 48 * 16, 64);
+    MEMORY_FENCE();
+    for (int r = 0; r < rows; r++)
+        _mm256_storeu_si256((__m256i *)(y + (int64_t)(row0 + r) * n + 16 * g),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + 16 * r)));
+}
+
+/* y [m, n] bf16 = x [m, k] bf16 (contiguous) @ W^T, W packed as above ([n / 16][k / 32] tiles); n a
+ * multiple of 16, k of 32. Returns 0, or -1 where this build has no AMX. */
+int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int n, uint16_t *y, int num_threads)
+{
+    const int groups = n / 16;
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint16_t b[2 * 16 * 32] __attribute__((aligned(64)));
+        float c[MAX_M_TILES * 16 * 16] __attribute__((aligned(64)));
+        for (int row0 = 0; row0 < m; row0 += 16 * MAX_M_TILES) {
+            const int rows = m - row0 < 16 * MAX_M_TILES ? m - row0 : 16 * MAX_M_TILES;
+            configure(rows);
+#pragma omp for schedule(static)
+            for (int g = 0; g < groups; g++)
+                output_group(x, rows, row0, k, tiles, g, y, n, b, c);
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+#else
+
+int chatd_q4_amx_ready(void) { return 0; }
+
+int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int n, uint16_t *y, int num_threads)
+{
+    (void)x, (void)m, (void)k, (void)tiles, (void)n, (void)y, (void)num_threads;
+    return -1;
+}
+
+#endif
