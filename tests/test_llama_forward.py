@@ -151,8 +151,11 @@ def _tracks_reference(runner: ModelRunner, reference_model: torch.nn.Module, cop
     # is arithmetic (bf16 activations, and bf16-rounded weights in the dense twin). Along the reference's
     # own greedy continuation (teacher forcing), each prompt decoded ``copies`` times in one batch must
     # pick the same token nearly always, and only ever differ on near-ties.
+    # The largest logit difference depends on where bf16 roundings of the activations fall, which the order
+    # of fp32 sums moves (SDPA or the native kernel for a prompt's attention, int4 or AMX tiles): measured
+    # 0.67 to 1.06 across the paths here. A wrong kernel is off by far more, and misses clear choices.
     result = teacher_forced_agreement(runner, reference_model, copies=copies)
-    assert result.max_abs_diff <= 1.0
+    assert result.max_abs_diff <= 1.25
     assert result.clear_misses == 0
     assert result.ratio >= 0.9
 

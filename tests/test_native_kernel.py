@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from chatd.engine.kvcache import KVPool, attend
-from chatd.engine.llama import PackedBf16Linear, RowSwitchLinear
+from chatd.engine.llama import NATIVE_ATTENTION_MAX_RUN, PackedBf16Linear, RowSwitchLinear
 from chatd.engine.native import EngineKernels, build, load_kernels
 from chatd.engine.quant import AMX_MIN_ROWS, AmxQ4Linear, Q4_1Weight, pack_q4_tiles
 from chatd.engine.runner import ModelRunner, gguf_forward
@@ -82,7 +82,8 @@ def test_kernel_equals_torch_attention_over_scattered_blocks(kernel: EngineKerne
 
 def test_decode_steps_with_the_kernel_equal_torch_attention(real_runner: ModelRunner) -> None:
     """The fp32 engine on the CPU decodes through the kernel (tests/test_kv_pool.py checks its greedy tokens
-    against transformers over fragmented tables); here each step's logits equal the torch path's."""
+    against transformers over fragmented tables); here each step's logits equal the torch path's, and so
+    do the prompts' (short chunks attend through the kernel, causally, in a step with other runs)."""
     forward = real_runner.forward
     assert forward is not None and forward.kernels is not None
     prompts = [real_runner.tokenizer(text * n).input_ids for n, text in
@@ -92,8 +93,11 @@ def test_decode_steps_with_the_kernel_equal_torch_attention(real_runner: ModelRu
         saved, forward.kernels = forward.kernels, kernel
         caches = [real_runner.new_cache() for _ in prompts]
         try:
-            tokens = [int(real_runner.prefill(c, p).argmax()) for c, p in zip(caches, prompts, strict=True)]
-            steps = []
+            halves = [(p[:len(p) // 2], p[len(p) // 2:]) for p in prompts]
+            real_runner.step(caches, [first for first, _ in halves])  # every run a chunk of several tokens
+            prompt_logits = real_runner.step(caches, [second for _, second in halves])
+            tokens = prompt_logits.argmax(-1).tolist()
+            steps = [prompt_logits]
             for _ in range(6):
                 logits = real_runner.decode(caches, tokens)
                 steps.append(logits)
@@ -112,17 +116,19 @@ def test_decode_steps_with_the_kernel_equal_torch_attention(real_runner: ModelRu
 
 def test_rope_and_the_kv_write_are_bit_for_bit_the_torch_paths(real_runner: ModelRunner) -> None:
     """The native RoPE + K/V write leaves the same bits in the pool as torch's ops, so snapshots do not
-    depend on which path computed them; a prompt's logits (its attention runs through torch either way)
-    are identical too."""
+    depend on which path computed them; a prompt's logits (chunks too long for the native attention, so
+    it runs through torch either way) are identical too."""
     forward = real_runner.forward
     assert forward is not None and forward.kernels is not None
-    prompt = real_runner.tokenizer("A long time ago, in a kingdom by the sea, there lived a " * 6).input_ids
+    prompt = real_runner.tokenizer("A long time ago, in a kingdom by the sea, there lived a " * 12).input_ids
+    assert len(prompt) > 2 * (NATIVE_ATTENTION_MAX_RUN + 1)  # both chunks longer than the kernel takes
 
     def prefill(kernels: EngineKernels | None) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         saved, forward.kernels = forward.kernels, kernels
         cache = real_runner.new_cache()
         try:
-            logits = [real_runner.prefill(cache, prompt[:40]), real_runner.prefill(cache, prompt[40:])]
+            cut = NATIVE_ATTENTION_MAX_RUN + 1
+            logits = [real_runner.prefill(cache, prompt[:cut]), real_runner.prefill(cache, prompt[cut:])]
             return logits, [(k.clone(), v.clone()) for k, v in cache.filled_layers()]
         finally:
             forward.kernels = saved

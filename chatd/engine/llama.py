@@ -30,6 +30,10 @@ from chatd.engine.quant import GGUFWeights
 # anything else keeps transformers' forward. Mistral and Qwen2 share the arithmetic but wait for a test
 # with real weights of their own.
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
+# Prompt chunks up to this many tokens attend through the native kernel (one call per layer for every such
+# run and every decode token); its row-by-row walk rereads the cache per query row, where SDPA's blocks
+# share it, so longer chunks go to SDPA.
+NATIVE_ATTENTION_MAX_RUN = 64
 
 
 class Linear(Protocol):
@@ -338,15 +342,18 @@ class LlamaForward:
             h = self.weights.embed(ids)  # [rows, hidden] fp32
             kernels = self.kernels
             rope = self._rope_table(positions.to(self.device)) if kernels is None else None
+            bounds = list(itertools.accumulate(lengths, initial=0))
+            # Decode tokens and short prompt chunks attend in one native call per layer for all of them,
+            # straight from their block tables, each row over its own causal prefix; longer chunks (and every
+            # run without the kernel) attend through torch's SDPA, which reuses K/V across query rows.
+            natives = ([run for run, n in enumerate(lengths) if n <= NATIVE_ATTENTION_MAX_RUN]
+                       if kernels is not None else [])
+            others = sorted(set(range(len(runs))) - set(natives))
             # Causal over the cached prefix and the run itself: new token j sees positions <= start + j. A
             # single new token sees everything, so needs no mask.
-            masks = [None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device)
-                     .tril(diagonal=start).repeat(self.group, 1) for start, n in zip(starts, lengths, strict=True)]
-            bounds = list(itertools.accumulate(lengths, initial=0))
-            # Single-token runs (decode) attend in one native call per layer for all of them, straight from
-            # their block tables; prompt chunks (and every run without the kernel) attend through torch.
-            natives = [run for run, n in enumerate(lengths) if n == 1] if kernels is not None else []
-            others = sorted(set(range(len(runs))) - set(natives))
+            masks = {run: None if lengths[run] == 1 else
+                     torch.ones(lengths[run], starts[run] + lengths[run], dtype=torch.bool, device=self.device)
+                     .tril(diagonal=starts[run]).repeat(self.group, 1) for run in others}
             views = {run: caches[run].run_views() for run in others}
             if natives:
                 tables, rows, visible = _decode_tables(caches, natives, starts, bounds, pool.block_size)
@@ -439,15 +446,17 @@ def _layer_runs(views: list[tuple[list[torch.Tensor], list[torch.Tensor]]], laye
 
 def _decode_tables(caches: Sequence[SessionKV], runs: Sequence[int], starts: Sequence[int], bounds: Sequence[int],
                    block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For the native decode attention: the block tables of ``runs`` (int32, padded with 0), their rows in
-    the step, and how many positions each attends (its cache and the new token)."""
-    visible = [starts[run] + 1 for run in runs]
-    used = [-(-n // block_size) for n in visible]
-    width = max(used)
-    tables = torch.tensor([[*caches[run].block_ids[:count], *[0] * (width - count)]
-                           for run, count in zip(runs, used, strict=True)], dtype=torch.int32)
-    rows = torch.tensor([bounds[run] for run in runs], dtype=torch.int32)
-    return tables, rows, torch.tensor(visible, dtype=torch.int32)
+    """For the native attention: per query row of ``runs`` (every token of each run) its run's block table
+    (int32, padded with 0), its row in the step, and how many positions it attends (its cache and the
+    run's tokens up to itself)."""
+    rows = [row for run in runs for row in range(bounds[run], bounds[run + 1])]
+    visible = [starts[run] + 1 + j for run in runs for j in range(bounds[run + 1] - bounds[run])]
+    ends = {run: starts[run] + bounds[run + 1] - bounds[run] for run in runs}
+    width = -(-max(ends.values()) // block_size)
+    table = {run: [*caches[run].block_ids[:-(-end // block_size)]] for run, end in ends.items()}
+    tables = torch.tensor([[*table[run], *[0] * (width - len(table[run]))]
+                           for run in runs for _ in range(bounds[run + 1] - bounds[run])], dtype=torch.int32)
+    return tables, torch.tensor(rows, dtype=torch.int32), torch.tensor(visible, dtype=torch.int32)
 
 
 def bf16_matmul_is_fast() -> bool:
