@@ -69,6 +69,13 @@ static void attend_pair16(const float *restrict q, int64_t q_head_stride, float 
         const __mmask16 live = (__mmask16)((1u << n) - 1u);
         const int64_t first = (int64_t)table[j] * block_size * head_dim;
         const float *k = keys + first, *v = values + first;
+        if (start + block_size < length) { /* the next block's K and V: another place in the pool */
+            const int64_t next = (int64_t)table[j + 1] * block_size * head_dim;
+            for (int line = 0; line < block_size * head_dim; line += 16) {
+                _mm_prefetch((const char *)(keys + next + line), _MM_HINT_T0);
+                _mm_prefetch((const char *)(values + next + line), _MM_HINT_T0);
+            }
+        }
         for (int t = 0; t < n; t++) {
             const float *kt = k + (int64_t)t * head_dim;
             for (int g = 0; g < group; g++) {
