@@ -152,3 +152,40 @@ async def test_small_steps_run_on_the_decode_thread_count(tiny_runner: ModelRunn
     finally:
         torch.set_num_threads(before)
     assert seen == {"wide": {2}, "small": {1}}
+
+
+async def test_a_steps_events_reach_the_loop_in_one_call(tiny_runner: ModelRunner,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every event the engine emits during a step (a text piece per session, a result where one ends) is
+    sent to the event loop in one ``call_soon_threadsafe``, in order, not one wake-up per session."""
+    loop = asyncio.get_running_loop()
+    calls: list[object] = []
+    real = loop.call_soon_threadsafe
+
+    def counted(callback: Any, *args: Any) -> Any:
+        calls.append(callback)
+        return real(callback, *args)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+    steps = []
+    real_step = tiny_runner.step
+
+    def step(caches: Any, runs: Any) -> torch.Tensor:
+        steps.append(len(runs))
+        return real_step(caches, runs)
+
+    monkeypatch.setattr(tiny_runner, "step", step)
+    worker = EngineWorker(tiny_runner)
+    worker.start()
+    try:
+        caches = [tiny_runner.new_cache() for _ in range(4)]
+        handles = [worker.generate(cache, [5, 6, 7 + i], SamplingParams(max_tokens=6, temperature=0.0))
+                   for i, cache in enumerate(caches)]
+        results = [[event async for event in handle.events()] for handle in handles]
+    finally:
+        worker.stop()
+    for events in results:
+        assert isinstance(events[-1], GenerationResult) and len(events[-1].generated_ids) == 6
+        assert "".join(e.text for e in events[:-1] if isinstance(e, worker_module.TextPiece)) == events[-1].text
+    # 4 sessions x 6 tokens = 24 pieces and 4 results, at most one delivery per step
+    assert sum(1 for callback in calls if callback is worker_module._deliver) <= len(steps) < 24

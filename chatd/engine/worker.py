@@ -1,7 +1,8 @@
 """The engine worker: the one thread that owns the model and every KV tensor.
 
 The event loop hands it work through a queue and gets results back through
-``loop.call_soon_threadsafe``; nothing here blocks the loop. Work is of two kinds:
+``loop.call_soon_threadsafe``, once per step for all the step's events (one wake-up of the loop, not
+one per session); nothing here blocks the loop. Work is of two kinds:
 
 * generations (:meth:`EngineWorker.generate`): each is a prefill of the tokens the cache lacks,
   then decoding until EOS, ``max_tokens``, a stop string or cancellation. Each step is one packed
@@ -75,6 +76,11 @@ class GenerationFailed:
 
 
 Event = TextPiece | GenerationResult | GenerationFailed
+
+
+def _deliver(batch: Sequence[tuple[asyncio.Queue[Event], Event]]) -> None:
+    for events, event in batch:
+        events.put_nowait(event)
 
 
 @dataclass(eq=False)
@@ -155,6 +161,9 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._prefilling: deque[_Job] = deque()
         self._decoding: deque[_Job] = deque()
+        # Events the worker thread emitted since its last flush, in order, with their loop and queue: sent
+        # to each loop in one call after every step (``_flush``).
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
         # Set (once) when the thread ended on an error it could not contain; then every job and call fails.
         self.failure: BaseException | None = None
         # Its num_engine_* totals are written only by the worker thread.
@@ -235,7 +244,10 @@ class EngineWorker:
         events: asyncio.Queue[Event] = asyncio.Queue()
 
         def emit(event: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            if threading.current_thread() is self._thread:
+                self._outbox.append((loop, events, event))  # sent with the step's other events
+            else:
+                loop.call_soon_threadsafe(events.put_nowait, event)
 
         job = _Job(
             cache=cache, prefill_ids=list(prefill_ids), params=params,
@@ -265,6 +277,7 @@ class EngineWorker:
             self._prefilling.clear()
             self._decoding.clear()
             self._drain_dead_inbox()
+            self._flush()
 
     def _drain_dead_inbox(self) -> None:
         """Fail everything queued to a dead worker (safe from any thread; each item is taken once)."""
@@ -293,6 +306,7 @@ class EngineWorker:
                     for job in [*self._prefilling, *self._decoding]:
                         job.cancelled = True
                     self._reap_cancelled()
+                    self._flush()
                     return
                 if isinstance(item, _Job):
                     self._prefilling.append(item)
@@ -310,6 +324,21 @@ class EngineWorker:
                     break
             self._reap_cancelled()
             self._step()
+            self._flush()
+
+    def _flush(self) -> None:
+        """Send the events emitted since the last flush: one ``call_soon_threadsafe`` per event loop."""
+        if not self._outbox:
+            return
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        for loop, events, event in self._outbox:
+            batches.setdefault(loop, []).append((events, event))
+        self._outbox.clear()
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that loop is closed: nobody is waiting for these events
+                log.warning("dropped %d engine events for a closed event loop", len(batch))
 
     def _run_call(self, call: _Call) -> bool:
         """Run a call and settle its future; whether it succeeded."""
