@@ -14,9 +14,17 @@ import torch
 import torch.nn.functional as F
 
 from chatd.engine.kvcache import KVPool, attend
-from chatd.engine.llama import NATIVE_ATTENTION_MAX_RUN, PackedBf16Linear, RowSwitchLinear
+from chatd.engine.llama import NATIVE_ATTENTION_MAX_RUN
 from chatd.engine.native import EngineKernels, build, load_kernels
-from chatd.engine.quant import AMX_MIN_ROWS, AmxQ4Linear, Q4_1Weight, pack_q4_tiles
+from chatd.engine.quant import (
+    AMX_MIN_ROWS,
+    AmxQ4Linear,
+    AmxQ8Linear,
+    Q4_1Weight,
+    Q8_0Weight,
+    pack_q4_tiles,
+    pack_q8_tiles,
+)
 from chatd.engine.runner import ModelRunner, gguf_forward
 
 
@@ -281,21 +289,45 @@ def test_the_amx_q4_matmul_equals_the_bf16_weights_matmul(kernel: EngineKernels)
         kernel.q4_matmul(torch.randn(2, 64).to(torch.bfloat16), pack_q4_tiles(_q4_weight(32, 64, 1)), 48)
 
 
+def test_the_amx_q8_matmul_equals_the_bf16_weights_matmul(kernel: EngineKernels) -> None:
+    """The same for a Q8_0 weight (the LM head's format), whose values are exact in bf16 times fp16 d."""
+    if not kernel.q4_amx:
+        pytest.skip("this CPU has no AMX tiles")
+    generator = torch.Generator().manual_seed(11)
+    for n, k in ((32, 64), (4096, 576)):
+        weight = Q8_0Weight(scale=(torch.rand(n, k // 32, generator=generator) * 0.01).half(),
+                            quants=torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8))
+        tiles = pack_q8_tiles(weight)
+        assert tiles.shape == (n // 16, k // 32, 544)
+        exact = weight.dequantize().to(torch.bfloat16).float()
+        for m in (4, 16, 70):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            want = x.float() @ exact.T
+            got = kernel.q4_matmul(x, tiles, n, q8=True).float()
+            assert (got - want).abs().max() <= 2 ** -8 * want.abs().max(), (n, k, m)
+        linear = AmxQ8Linear(weight, kernel)  # below AMX_MIN_ROWS rows: the int4 kernel's exact Q8_0
+        few = torch.randn(AMX_MIN_ROWS - 1, k).to(torch.bfloat16)
+        want = few.float() @ weight.dequantize().T
+        assert (linear.bf16(few).float() - want).abs().max() <= 0.01 * want.abs().max()  # the kernel's bf16 d
+    with pytest.raises(ValueError):  # Q4_1 tiles are not Q8_0 ones
+        kernel.q4_matmul(torch.randn(4, 64).to(torch.bfloat16), pack_q4_tiles(_q4_weight(32, 64, 1)), 32, q8=True)
+
+
 def test_the_amx_linear_serves_few_rows_with_the_int4_kernel(kernel: EngineKernels,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     if not kernel.q4_amx:
         pytest.skip("this CPU has no AMX tiles")
     linear = AmxQ4Linear(_q4_weight(64, 96, 7), kernel)
     calls = []
-    monkeypatch.setattr(kernel, "q4_matmul", lambda *args: calls.append(args[0].shape[0]) or torch.zeros(0))
+    monkeypatch.setattr(kernel, "q4_matmul", lambda *args, **kw: calls.append(args[0].shape[0]) or torch.zeros(0))
     for m in range(1, 7):
         linear.bf16(torch.randn(m, 96).to(torch.bfloat16))
     assert calls == list(range(AMX_MIN_ROWS, 7))
 
 
 def test_the_packaged_model_runs_its_q4_blocks_on_amx(real_runner: ModelRunner) -> None:
-    """With AMX, every Q4_1 projection of the packaged model is an AMX one, for every batch (no dense twin
-    of the layers); only the Q8_0 LM head has a bf16 twin, for steps of many rows."""
+    """With AMX, every projection of the packaged model, the LM head included, runs its GGUF blocks for
+    every batch: no dense twin at all."""
     kernels = real_runner.forward.kernels if real_runner.forward is not None else None
     assert kernels is not None
     if not kernels.q4_amx:
@@ -303,5 +335,4 @@ def test_the_packaged_model_runs_its_q4_blocks_on_amx(real_runner: ModelRunner) 
     forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
     for layer in forward.weights.layers:
         assert all(isinstance(p, AmxQ4Linear) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    head = forward.weights.lm_head
-    assert isinstance(head, RowSwitchLinear) and isinstance(head.large, PackedBf16Linear)
+    assert isinstance(forward.weights.lm_head, AmxQ8Linear)

@@ -470,20 +470,18 @@ def bf16_matmul_is_fast() -> bool:
         return False
 
 
-def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None, min_rows: int = 32,
-                      head: Linear | None = None) -> LlamaWeights:
+def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None, min_rows: int = 32) -> LlamaWeights:
     """The compact forward over a GGUF's own quantised blocks (chatd/engine/quant.py): Q4_1 projections
     through the int4 kernel, the Q8_0 embedding looked up row by row and used as the LM head.
 
     ``dense``: the same weights dequantised (fp32, or bf16 where the CPU has bf16 matmul units); batches of
-    at least ``min_rows`` rows (prefill chunks, batched decode steps) then run those, LM head included.
-    ``head``: a dense LM head alone (the layers keep their blocks for every batch), from ``min_rows`` rows."""
+    at least ``min_rows`` rows (prefill chunks, batched decode steps) then run those, LM head included."""
     d = gguf.dims
     shape = LlamaShape(num_layers=d.num_layers, hidden_size=d.hidden_size, num_heads=d.num_heads,
                        num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, vocab_size=d.vocab_size,
                        rms_norm_eps=d.rms_norm_eps, rope_theta=d.rope_theta, max_positions=d.context_length)
-    def pick(small: Linear, large: Linear | None, rows: int = min_rows) -> Linear:
-        return small if large is None else RowSwitchLinear(small, large, rows)
+    def pick(small: Linear, large: Linear | None) -> Linear:
+        return small if large is None else RowSwitchLinear(small, large, min_rows)
 
     layers = []
     for index, layer in enumerate(gguf.layers):
@@ -494,4 +492,4 @@ def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None, min_
             gate_up=pick(layer.gate_up, twin.gate_up if twin else None),
             down=pick(layer.down, twin.down if twin else None)))
     return LlamaWeights(shape=shape, embed=gguf.embed_tokens.rows, layers=layers, norm=gguf.final_norm,
-                        lm_head=pick(cast(Linear, gguf.lm_head), dense.lm_head if dense is not None else head))
+                        lm_head=pick(cast(Linear, gguf.lm_head), dense.lm_head if dense is not None else None))

@@ -109,7 +109,7 @@ class EngineKernels:
         self._silu_mul.argtypes = [p, p, i32, i32, i32]
         self._silu_mul.restype = None
         self._q4_matmul = lib.chatd_q4_matmul
-        self._q4_matmul.argtypes = [p, i32, i32, p, i32, p, i32]
+        self._q4_matmul.argtypes = [p, i32, i32, p, i32, i32, p, i32]
         self._q4_matmul.restype = i32
         # AMX tiles: compiled in (the CPU has them) and granted to this process by the kernel
         self.q4_amx = bool(lib.chatd_q4_amx_ready())
@@ -163,15 +163,18 @@ class EngineKernels:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
-    def q4_matmul(self, x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+    def q4_matmul(self, x: torch.Tensor, tiles: torch.Tensor, n: int, *, q8: bool = False) -> torch.Tensor:
         """bf16 ``x`` ``[M, K]`` (contiguous) times a Q4_1 weight ``[n, K]`` packed by
-        :func:`chatd.engine.quant.pack_q4_tiles`, as a new bf16 ``[M, n]``. Only where :attr:`q4_amx`."""
+        :func:`chatd.engine.quant.pack_q4_tiles` (a Q8_0 one packed by ``pack_q8_tiles`` where ``q8``), as a
+        new bf16 ``[M, n]``. Only where :attr:`q4_amx`."""
         m, k = x.shape
+        size = n * k * 17 // 16 if q8 else n * k * 5 // 8  # 544 or 320 bytes per 512 weights
         if not (self.q4_amx and x.dtype == torch.bfloat16 and x.is_contiguous() and tiles.dtype == torch.uint8
-                and tiles.is_contiguous() and n % 16 == 0 and k % 32 == 0 and tiles.numel() == n * k * 5 // 8):
+                and tiles.is_contiguous() and n % 16 == 0 and k % 32 == 0 and tiles.numel() == size):
             raise ValueError("q4_matmul: unexpected dtypes or layouts, or no AMX here")
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        if m and self._q4_matmul(x.data_ptr(), m, k, tiles.data_ptr(), n, out.data_ptr(), torch.get_num_threads()):
+        if m and self._q4_matmul(x.data_ptr(), m, k, tiles.data_ptr(), int(q8), n, out.data_ptr(),
+                                 torch.get_num_threads()):
             raise RuntimeError("q4_matmul: this build has no AMX kernel")
         return out
 

@@ -1,5 +1,6 @@
-/* chatd's weight-stationary Q4_1 matmul for the CPU's AMX tiles (chatd/engine/native.py builds and loads
- * this file next to decode_attention.c; chatd/engine/quant.py's AmxQ4Linear packs the weights).
+/* chatd's weight-stationary Q4_1 and Q8_0 matmuls for the CPU's AMX tiles (chatd/engine/native.py builds
+ * and loads this file next to decode_attention.c; chatd/engine/quant.py's AmxQ4Linear and AmxQ8Linear
+ * pack the weights).
  *
  * y[M, N] = x[M, K] @ W^T for bf16 x and y and a Q4_1 weight W (per block of 32 inputs: w = d * q + m,
  * q in 0..15, d and m fp16). Each block of 16 outputs by 32 inputs is read once and dequantised once into
@@ -14,11 +15,15 @@
  *     dequantised, row r is row r of the tile's B operand in AMX's pairwise (VNNI) layout;
  *   16 fp16 d, then 16 fp16 m, one per output.
  * Tiles run over kb within an output group: tile (g, kb) is at ((g * K / 32) + kb) * 320.
+ *
+ * A Q8_0 weight (w = d * q, q int8, d fp16) is packed the same way with 544-byte tiles: 16 rows of the 32
+ * int8 values in pairwise order (value e at byte e), then the 16 outputs' fp16 d.
  */
 #include <stdint.h>
 #include <string.h>
 
-#define TILE_BYTES 320
+#define Q4_TILE_BYTES 320
+#define Q8_TILE_BYTES 544
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -69,7 +74,22 @@ static void configure(int rows)
     _tile_loadconfig(&cfg);
 }
 
-static inline void dequantise(const uint8_t *tile, uint16_t *restrict out /* [16][32] */)
+static inline void dequantise_q8(const uint8_t *tile, uint16_t *restrict out /* [16][32] */)
+{
+    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 512)));
+    const __m512 d_lo = _mm512_permutexvar_ps(pairs_lo, d), d_hi = _mm512_permutexvar_ps(pairs_hi, d);
+    for (int r = 0; r < 16; r++) {
+        const __m128i *row = (const __m128i *)(tile + 32 * r);
+        /* d * q is exact in fp32 (11 by 8 significant bits) */
+        const __m512 w_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row))), d_lo);
+        const __m512 w_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1))), d_hi);
+        _mm512_store_si512((__m512i *)(out + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    }
+}
+
+static inline void dequantise_q4(const uint8_t *tile, uint16_t *restrict out /* [16][32] */)
 {
     const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
@@ -102,21 +122,25 @@ static inline void dequantise(const uint8_t *tile, uint16_t *restrict out /* [16
         if (slices > 3) { if (full > 3) { MULTIPLY(4, 3, B); } else { MULTIPLY(5, 3, B); } }                   \
     } while (0)
 
-static void output_group(const uint16_t *x, int rows, int row0, int k, const uint8_t *tiles, int g,
+static void output_group(const uint16_t *x, int rows, int row0, int k, const uint8_t *tiles, int q8, int g,
                          uint16_t *y, int n, uint16_t *b /* [2][16][32], 64-byte aligned */, float *c /* [64][16] */)
 {
     const int blocks = k / 32, full = rows / 16, tail = rows % 16, slices = full + (tail > 0);
+    const int tile_bytes = q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const uint8_t *group = tiles + (int64_t)g * blocks * TILE_BYTES;
+    const uint8_t *group = tiles + (int64_t)g * blocks * tile_bytes;
     for (int kb = 0; kb < blocks; kb++) {
         uint16_t *buffer = b + 512 * (kb & 1);
-        const uint8_t *tile = group + (int64_t)kb * TILE_BYTES;
-        for (int line = 0; line < TILE_BYTES; line += 64)
-            _mm_prefetch((const char *)tile + PREFETCH_AHEAD * TILE_BYTES + line, _MM_HINT_T0);
-        dequantise(tile, buffer);
+        const uint8_t *tile = group + (int64_t)kb * tile_bytes;
+        for (int line = 0; line < tile_bytes; line += 64)
+            _mm_prefetch((const char *)tile + PREFETCH_AHEAD * tile_bytes + line, _MM_HINT_T0);
+        if (q8)
+            dequantise_q8(tile, buffer);
+        else
+            dequantise_q4(tile, buffer);
         MEMORY_FENCE();
         /* full slices use tile 4, the partial last one tile 5 (its row count is in the configuration) */
         if (kb & 1)
@@ -134,9 +158,10 @@ static void output_group(const uint16_t *x, int rows, int row0, int k, const uin
                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + 16 * r)));
 }
 
-/* y [m, n] bf16 = x [m, k] bf16 (contiguous) @ W^T, W packed as above ([n / 16][k / 32] tiles); n a
- * multiple of 16, k of 32. Returns 0, or -1 where this build has no AMX. */
-int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int n, uint16_t *y, int num_threads)
+/* y [m, n] bf16 = x [m, k] bf16 (contiguous) @ W^T, W packed as above ([n / 16][k / 32] tiles, Q8_0 ones
+ * where q8); n a multiple of 16, k of 32. Returns 0, or -1 where this build has no AMX. */
+int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
+                    int num_threads)
 {
     const int groups = n / 16;
 #pragma omp parallel num_threads(num_threads)
@@ -148,7 +173,7 @@ int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int n
             configure(rows);
 #pragma omp for schedule(static)
             for (int g = 0; g < groups; g++)
-                output_group(x, rows, row0, k, tiles, g, y, n, b, c);
+                output_group(x, rows, row0, k, tiles, q8, g, y, n, b, c);
         }
         _tile_release();
     }
@@ -159,9 +184,10 @@ int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int n
 
 int chatd_q4_amx_ready(void) { return 0; }
 
-int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int n, uint16_t *y, int num_threads)
+int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
+                    int num_threads)
 {
-    (void)x, (void)m, (void)k, (void)tiles, (void)n, (void)y, (void)num_threads;
+    (void)x, (void)m, (void)k, (void)tiles, (void)q8, (void)n, (void)y, (void)num_threads;
     return -1;
 }
 

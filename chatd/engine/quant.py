@@ -225,22 +225,22 @@ def pack_q4_tiles(weight: Q4_1Weight) -> torch.Tensor:
     return torch.cat([nibbles, per_tile(weight.scale), per_tile(weight.minimum)], dim=-1).contiguous()
 
 
-class AmxQ4Linear:
-    """``y = x @ W^T`` for a Q4_1 weight on AMX tiles (:meth:`EngineKernels.q4_matmul`), bf16 in and out.
-
-    Each tile of the weight is dequantised once per call, for every row: the values are exactly the bf16
-    copy of the dequantised fp32 weight (the dense twin's), at the quantised weight's memory traffic.
+class _AmxLinear:
+    """``y = x @ W^T`` for a quantised weight on AMX tiles (:meth:`EngineKernels.q4_matmul`), bf16 in and
+    out. Each tile of the weight is dequantised once per call, for every row: the values are exactly the
+    bf16 copy of the dequantised fp32 weight (the dense twin's), at the quantised weight's memory traffic.
     Below ``AMX_MIN_ROWS`` rows the int4 kernel is ahead (it dequantises per row, but more cheaply), so
-    those calls go to it.
-    """
+    those calls go to ``small``, the same weight in that kernel's layout."""
 
     takes_bf16 = True
+    q8 = False
 
-    def __init__(self, weight: Q4_1Weight, kernels: Any) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.tiles = pack_q4_tiles(weight)
+    def __init__(self, shape: tuple[int, int], tiles: torch.Tensor, small: Int4Linear | Q8_0Linear,
+                 kernels: Any) -> None:
+        self.out_features, self.in_features = shape
+        self.tiles = tiles
+        self.small = small
         self.kernels = kernels
-        self.int4 = Int4Linear(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -250,8 +250,37 @@ class AmxQ4Linear:
     def bf16(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 ``[M, K]`` (contiguous) -> bf16 ``[M, N]``."""
         if x.shape[0] < AMX_MIN_ROWS:
-            return self.int4.bf16(x)
-        return cast(torch.Tensor, self.kernels.q4_matmul(x, self.tiles, self.out_features))
+            return self.small.bf16(x)
+        return cast(torch.Tensor, self.kernels.q4_matmul(x, self.tiles, self.out_features, q8=self.q8))
+
+
+class AmxQ4Linear(_AmxLinear):
+    """A Q4_1 projection on AMX tiles (:func:`pack_q4_tiles`); :class:`Int4Linear` below ``AMX_MIN_ROWS``."""
+
+    def __init__(self, weight: Q4_1Weight, kernels: Any) -> None:
+        super().__init__(weight.shape, pack_q4_tiles(weight), Int4Linear(weight), kernels)
+
+
+def pack_q8_tiles(weight: Q8_0Weight) -> torch.Tensor:
+    """A Q8_0 ``[N, K]`` weight in the native AMX kernel's layout: uint8 ``[N / 16, K / 32, 544]``, per tile
+    of 16 outputs by 32 inputs the 512 int8 quants in AMX's pairwise order, then the 16 outputs' fp16 ``d``."""
+    n, k = weight.shape
+    if n % 16 or k % GROUP_SIZE:
+        raise ValueError(f"the AMX kernel needs N a multiple of 16 and K of 32, got {n} x {k}")
+    groups, blocks = n // 16, k // GROUP_SIZE
+    q = weight.quants.view(groups, 16, blocks, 16, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 512)
+    scale = weight.scale.view(groups, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
+    return torch.cat([q.contiguous().view(torch.uint8), scale], dim=-1).contiguous()
+
+
+class AmxQ8Linear(_AmxLinear):
+    """A Q8_0 projection (the LM head) on AMX tiles (:func:`pack_q8_tiles`); :class:`Q8_0Linear` below
+    ``AMX_MIN_ROWS``."""
+
+    q8 = True
+
+    def __init__(self, weight: Q8_0Weight, kernels: Any) -> None:
+        super().__init__(weight.shape, pack_q8_tiles(weight), Q8_0Linear(weight), kernels)
 
 
 Q4Linear = Int4Linear | AmxQ4Linear
@@ -364,7 +393,7 @@ class GGUFWeights:
     embed_tokens: Q8_0Weight
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor  # [H] fp32
-    lm_head: torch.nn.Module  # fp32 [..., H] -> fp32 [..., vocab]
+    lm_head: torch.nn.Module | AmxQ8Linear  # fp32 [..., H] -> fp32 [..., vocab]
 
 
 def read_dims(reader: gguf.GGUFReader) -> LlamaDims:
@@ -447,8 +476,10 @@ def load_gguf_weights(path: str | Path, lm_head: str = "q8_0", kernels: Any | No
     tensors = {t.name: t for t in reader.tensors}
     embed = _typed(tensors, "token_embd.weight", Q8_0Weight)
     head_weight = _typed(tensors, "output.weight", Q8_0Weight) if "output.weight" in tensors else embed
-    head: torch.nn.Module
-    if lm_head == "q8_0":
+    head: torch.nn.Module | AmxQ8Linear
+    if lm_head == "q8_0" and kernels is not None and kernels.q4_amx:
+        head = AmxQ8Linear(head_weight, kernels)
+    elif lm_head == "q8_0":
         head = Q8_0Linear(head_weight)
     elif lm_head == "int8_rows":
         head = Int8RowLinear(head_weight)

@@ -301,19 +301,16 @@ def gguf_forward(device: torch.device, dequantised: Any | None = None,
     ``dequantised``: the converted fp32 model (the same weights, dequantised exactly). Batches of several
     rows (prefill chunks, decode steps of many sessions) run a dense twin made from it: bf16 on a CPU with
     bf16 matmul units, else fp32 for prefill-sized batches; single-session decode steps run the blocks.
-    ``kernels`` with AMX (:attr:`EngineKernels.q4_amx`): the Q4_1 blocks run on AMX tiles for every batch
-    (their cost is nearly flat in the rows, at the blocks' memory traffic: ahead of the twin from one
-    decode row to a 256-token prompt chunk, ``python -m benchmarks.quant_matmul``), and only the LM head
-    (Q8_0) has a bf16 twin."""
+    ``kernels`` with AMX (:attr:`EngineKernels.q4_amx`): the Q4_1 and Q8_0 blocks run on AMX tiles for
+    every batch (their cost is nearly flat in the rows, at the blocks' memory traffic: ahead of the twin
+    from one decode row to a 256-token prompt chunk, ``python -m benchmarks.quant_matmul``), and there is
+    no twin."""
     if device.type != "cpu":
         raise ConfigError('model.weights = "q4" runs on the CPU; use bfloat16 on CUDA')
     amx = kernels is not None and kernels.q4_amx
     gguf = load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF, kernels=kernels if amx else None)
-    if dequantised is None:
+    if dequantised is None or amx:
         return LlamaForward(weights_from_gguf(gguf), device)
-    if amx:
-        head = bf16_linear(dequantised.lm_head.weight.detach(), None)
-        return LlamaForward(weights_from_gguf(gguf, None, BF16_TWIN_MIN_ROWS, head), device)
     if bf16_matmul_is_fast():
         twin = weights_from_transformers(dequantised, bf16_linear)
         return LlamaForward(weights_from_gguf(gguf, twin, BF16_TWIN_MIN_ROWS), device)
