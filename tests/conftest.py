@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +100,11 @@ def figures() -> Callable[..., None]:
                 out.write(line + "\n")
     return record
 
+
+@pytest.fixture
+def two_torch_threads() -> Iterator[None]:
+    """torch (and the native kernels, which take its thread count) on 2 threads for the test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,14 +23,6 @@ def _parallel_work() -> None:
     target = torch.empty(4_000_000, dtype=torch.bfloat16)
     for _ in range(3):
         target.copy_(source)  # large enough for torch to split it over its threads
-
-
-@pytest.fixture
-def two_torch_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def _settled_thread_count() -> int:

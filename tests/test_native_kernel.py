@@ -58,19 +58,25 @@ def test_without_a_compiler_the_engine_keeps_torch_attention(tmp_path: Path, mon
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
+# Many rows (each (row, KV head) pair walks its blocks on one thread), and one long row: few pairs, so each
+# pair's blocks are split into ranges across the threads and merged (the sizes are in blocks of 16).
+_ATTENTION_CASES = [((1, 5, 16, 17, 7 * 16 - 3, 40), (7, 0, 3, 5, 1, 2)), ((1000,), (3,)), ((300, 5), (2, 6))]
+
+
+@pytest.mark.parametrize(("lengths", "rows"), _ATTENTION_CASES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4), (8, 1)])
 def test_kernel_equals_torch_attention_over_scattered_blocks(kernel: EngineKernels, num_heads: int,
-                                                             num_kv_heads: int) -> None:
+                                                             num_kv_heads: int, lengths: tuple[int, ...],
+                                                             rows: tuple[int, ...], two_torch_threads: None) -> None:
     torch.manual_seed(num_heads * 10 + num_kv_heads)
     head_dim, layers = 64, 2
-    pool = KVPool.for_budget(4 << 20, layers, num_kv_heads, head_dim, torch.float32, "cpu")
+    pool = KVPool.for_budget(16 << 20, layers, num_kv_heads, head_dim, torch.float32, "cpu")
     pool.tensors.kv.normal_()
     size = pool.block_size
-    lengths = [1, 5, size, size + 1, 7 * size - 3, 40]
     width = max(-(-n // size) for n in lengths)
     order = torch.randperm(pool.num_blocks)[: len(lengths) * width].view(len(lengths), width).to(torch.int32)
     # Rows of the step in another order than the tables, and some rows of the step not decode rows at all.
-    rows = torch.tensor([7, 0, 3, 5, 1, 2], dtype=torch.int32)
+    rows = torch.tensor(rows, dtype=torch.int32)
     q = torch.randn(8, num_heads + num_kv_heads, head_dim)[:, :num_heads]  # a view, as the forward passes it
     out = torch.full((8, num_heads * head_dim), float("nan"))
     keys, values = pool.tensors.kv[1, 0], pool.tensors.kv[1, 1]

@@ -14,10 +14,12 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64
+#define SPLIT_MIN_BLOCKS 8 /* a pair's blocks are split for the threads only into ranges this long or more */
 
 int chatd_decode_attention_limits(int group, int head_dim, int block_size)
 {
@@ -48,11 +50,14 @@ static inline __m512 exp16(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
-/* The same walk as attend_pair below, 16 lanes at a time: head_dim a multiple of 16, block_size <= 16
- * (one vector of scores per query head and block). */
-static void attend_pair16(const float *restrict q, int64_t q_head_stride, float *restrict out,
-                          const float *restrict keys, const float *restrict values, const int32_t *restrict table,
-                          int length, int group, int head_dim, int block_size, float scale)
+/* The same walk as attend_pair below, 16 lanes at a time (head_dim a multiple of 16, block_size <= 16: one
+ * vector of scores per query head and block), over the blocks [first_block, end_block) of the sequence.
+ * It leaves the running softmax's state per query head g in state + g * (head_dim + 2): the largest
+ * score, the sum of exp(score - largest), and the values weighted by those, not yet divided. */
+static void attend_blocks16(const float *restrict q, int64_t q_head_stride, const float *restrict keys,
+                            const float *restrict values, const int32_t *restrict table, int length,
+                            int first_block, int end_block, int group, int head_dim, int block_size, float scale,
+                            float *restrict state)
 {
     __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
     float score[MAX_GROUP][16] __attribute__((aligned(64)));
@@ -64,12 +69,13 @@ static void attend_pair16(const float *restrict q, int64_t q_head_stride, float 
         for (int c = 0; c < chunks; c++)
             acc[g][c] = _mm512_setzero_ps();
     }
-    for (int start = 0, j = 0; start < length; start += block_size, j++) {
+    const int end = end_block * block_size < length ? end_block * block_size : length;
+    for (int start = first_block * block_size, j = first_block; start < end; start += block_size, j++) {
         const int n = length - start < block_size ? length - start : block_size;
         const __mmask16 live = (__mmask16)((1u << n) - 1u);
         const int64_t first = (int64_t)table[j] * block_size * head_dim;
         const float *k = keys + first, *v = values + first;
-        if (start + block_size < length) { /* the next block's K and V: another place in the pool */
+        if (start + block_size < end) { /* the next block's K and V: another place in the pool */
             const int64_t next = (int64_t)table[j + 1] * block_size * head_dim;
             for (int line = 0; line < block_size * head_dim; line += 16) {
                 _mm_prefetch((const char *)(keys + next + line), _MM_HINT_T0);
@@ -109,9 +115,44 @@ static void attend_pair16(const float *restrict q, int64_t q_head_stride, float 
         }
     }
     for (int g = 0; g < group; g++) {
-        const __m512 inv = _mm512_set1_ps(total[g] > 0.0f ? 1.0f / total[g] : 0.0f);
+        float *st = state + g * (head_dim + 2);
+        st[0] = best[g];
+        st[1] = total[g];
         for (int c = 0; c < chunks; c++)
-            _mm512_storeu_ps(out + g * head_dim + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+            _mm512_storeu_ps(st + 2 + 16 * c, acc[g][c]);
+    }
+}
+
+/* The attention of query heads [g0, g0 + group) from the states of `parts` block ranges (consecutive,
+ * head_dim + 2 floats per query head each, as attend_blocks16 leaves them): the running softmaxes merged
+ * and divided. */
+static void finish16(const float *restrict states, int parts, int group, int head_dim, float *restrict out)
+{
+    const int stride = group * (head_dim + 2), chunks = head_dim / 16;
+    for (int g = 0; g < group; g++) {
+        float top = -INFINITY;
+        for (int s = 0; s < parts; s++) {
+            const float b = states[s * stride + g * (head_dim + 2)];
+            top = b > top ? b : top;
+        }
+        float total = 0.0f;
+        __m512 acc[MAX_HEAD_DIM / 16];
+        for (int c = 0; c < chunks; c++)
+            acc[c] = _mm512_setzero_ps();
+        if (top > -INFINITY) {
+            for (int s = 0; s < parts; s++) {
+                const float *st = states + s * stride + g * (head_dim + 2);
+                if (st[0] == -INFINITY)
+                    continue; /* a range with no position */
+                const float weight = expf(st[0] - top);
+                total += st[1] * weight;
+                for (int c = 0; c < chunks; c++)
+                    acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(weight), _mm512_loadu_ps(st + 2 + 16 * c), acc[c]);
+            }
+        }
+        const __m512 inv = _mm512_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
+        for (int c = 0; c < chunks; c++)
+            _mm512_storeu_ps(out + g * head_dim + 16 * c, _mm512_mul_ps(acc[c], inv));
     }
 }
 #endif
@@ -187,18 +228,50 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
 {
     const int group = num_heads / num_kv_heads;
     const int pairs = rows * num_kv_heads;
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0 && block_size <= 16) {
+        /* Fewer (row, KV head) pairs than twice the threads (one session's decode step): each pair's blocks
+         * are split into ranges that run in parallel, then merged, so every thread has work. */
+        int longest = 0;
+        for (int r = 0; r < rows; r++)
+            longest = lengths[r] > longest ? lengths[r] : longest;
+        const int blocks = (longest + block_size - 1) / block_size;
+        int parts = pairs < 2 * num_threads ? (2 * num_threads + pairs - 1) / pairs : 1;
+        parts = parts < blocks / SPLIT_MIN_BLOCKS ? parts : blocks / SPLIT_MIN_BLOCKS;
+        const int state_size = group * (head_dim + 2);
+        float *states = parts > 1 ? malloc(sizeof(float) * (size_t)pairs * parts * state_size) : NULL;
+        const int per = parts > 1 ? (blocks + parts - 1) / parts : blocks;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (pairs * parts > 1)
+        for (int item = 0; item < pairs * (states != NULL ? parts : 1); item++) {
+            const int pair = states != NULL ? item / parts : item, part = states != NULL ? item % parts : 0;
+            const int r = pair / num_kv_heads, h = pair % num_kv_heads;
+            const float *qr = q + (int64_t)row_index[r] * q_row_stride + (int64_t)h * group * head_dim;
+            const int first = states != NULL ? part * per : 0, end = states != NULL ? first + per : blocks;
+            float local[MAX_GROUP * (MAX_HEAD_DIM + 2)];
+            float *state = states != NULL ? states + (int64_t)item * state_size : local;
+            attend_blocks16(qr, head_dim, keys + h * head_stride, values + h * head_stride,
+                            tables + (int64_t)r * table_stride, lengths[r], first, end, group, head_dim,
+                            block_size, scale, state);
+            if (states == NULL)
+                finish16(state, 1, group, head_dim,
+                         out + (int64_t)row_index[r] * num_heads * head_dim + (int64_t)h * group * head_dim);
+        }
+        if (states != NULL) {
+            for (int pair = 0; pair < pairs; pair++) {
+                const int r = pair / num_kv_heads, h = pair % num_kv_heads;
+                finish16(states + (int64_t)pair * parts * state_size, parts, group, head_dim,
+                         out + (int64_t)row_index[r] * num_heads * head_dim + (int64_t)h * group * head_dim);
+            }
+            free(states);
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (pairs > 1)
     for (int pair = 0; pair < pairs; pair++) {
         const int r = pair / num_kv_heads, h = pair % num_kv_heads;
         const float *qr = q + (int64_t)row_index[r] * q_row_stride + (int64_t)h * group * head_dim;
         float *o = out + (int64_t)row_index[r] * num_heads * head_dim + (int64_t)h * group * head_dim;
-#if defined(__AVX512F__)
-        if (head_dim % 16 == 0 && block_size <= 16) {
-            attend_pair16(qr, head_dim, o, keys + h * head_stride, values + h * head_stride,
-                          tables + (int64_t)r * table_stride, lengths[r], group, head_dim, block_size, scale);
-            continue;
-        }
-#endif
         attend_pair(qr, head_dim, o, keys + h * head_stride, values + h * head_stride,
                     tables + (int64_t)r * table_stride, lengths[r], group, head_dim, block_size, scale);
     }
