@@ -18,7 +18,7 @@ memory traffic counts as it does in a decode step; the LM head there is fp32 / q
 
 A third table is the engine's decode path, bf16 in and out, over the same 30 layers' projections (no
 LM head): the int4 kernel (``Int4Linear.bf16``), the native AMX kernel (``AmxQ4Linear``'s
-``q4_matmul``, where the CPU has AMX tiles) and the prepacked bf16 twin (``PackedBf16Linear``). It sets
+``amx_matmul``, where the CPU has AMX tiles) and the prepacked bf16 twin (``PackedBf16Linear``). It sets
 ``chatd.engine.quant.AMX_MIN_ROWS``, and shows why a model on AMX needs no dense twin of its layers.
 
 Random Q4_1/Q8_0 weights (speed only). Each figure is the best of ``--repeat`` timed loops, the least
@@ -156,7 +156,7 @@ def decode_pass(repeat: int) -> None:
             if kind == "int4":
                 int4[index].bf16(x)
             elif kind == "amx" and kernels is not None:
-                kernels.q4_matmul(x, *amx[index])
+                kernels.amx_matmul(x, *amx[index])
             elif kind == "twin" and twin[index] is not None:
                 twin[index].bf16(x)
 

@@ -1,4 +1,4 @@
-"""The native kernels (chatd/engine/decode_attention.c, q4_matmul.c): built once per machine and cached;
+"""The native kernels (chatd/engine/decode_attention.c, amx_matmul.c): built once per machine and cached;
 decode attention equal to torch's over the same block tables, and used by the compact forward's decode
 steps with the same greedy tokens as without it; the element-wise steps equal to torch's; the AMX Q4_1
 matmul equal to a matmul by the bf16 dequantised weights."""
@@ -287,12 +287,12 @@ def test_the_amx_q4_matmul_equals_the_bf16_weights_matmul(kernel: EngineKernels)
         for m in (1, 3, 16, 17, 40, 64, 100, 150):
             x = torch.randn(m, k).to(torch.bfloat16)
             want = x.float() @ exact.T
-            got = kernel.q4_matmul(x, tiles, n).float()
+            got = kernel.amx_matmul(x, tiles, n).float()
             scale = want.abs().max()
             # the output is rounded to bf16 once: within a bf16 rounding of the largest output
             assert (got - want).abs().max() <= 2 ** -8 * scale, (n, k, m)
     with pytest.raises(ValueError):
-        kernel.q4_matmul(torch.randn(2, 64).to(torch.bfloat16), pack_q4_tiles(_q4_weight(32, 64, 1)), 48)
+        kernel.amx_matmul(torch.randn(2, 64).to(torch.bfloat16), pack_q4_tiles(_q4_weight(32, 64, 1)), 48)
 
 
 def test_the_amx_q8_matmul_equals_the_bf16_weights_matmul(kernel: EngineKernels) -> None:
@@ -309,14 +309,14 @@ def test_the_amx_q8_matmul_equals_the_bf16_weights_matmul(kernel: EngineKernels)
         for m in (4, 16, 70):
             x = torch.randn(m, k).to(torch.bfloat16)
             want = x.float() @ exact.T
-            got = kernel.q4_matmul(x, tiles, n, q8=True).float()
+            got = kernel.amx_matmul(x, tiles, n, q8=True).float()
             assert (got - want).abs().max() <= 2 ** -8 * want.abs().max(), (n, k, m)
         linear = AmxQ8Linear(weight, kernel)  # below AMX_MIN_ROWS rows: the int4 kernel's exact Q8_0
         few = torch.randn(AMX_MIN_ROWS - 1, k).to(torch.bfloat16)
         want = few.float() @ weight.dequantize().T
         assert (linear.bf16(few).float() - want).abs().max() <= 0.01 * want.abs().max()  # the kernel's bf16 d
     with pytest.raises(ValueError):  # Q4_1 tiles are not Q8_0 ones
-        kernel.q4_matmul(torch.randn(4, 64).to(torch.bfloat16), pack_q4_tiles(_q4_weight(32, 64, 1)), 32, q8=True)
+        kernel.amx_matmul(torch.randn(4, 64).to(torch.bfloat16), pack_q4_tiles(_q4_weight(32, 64, 1)), 32, q8=True)
 
 
 def test_the_amx_linear_serves_few_rows_with_the_int4_kernel(kernel: EngineKernels,
@@ -325,7 +325,7 @@ def test_the_amx_linear_serves_few_rows_with_the_int4_kernel(kernel: EngineKerne
         pytest.skip("this CPU has no AMX tiles")
     linear = AmxQ4Linear(_q4_weight(64, 96, 7), kernel)
     calls = []
-    monkeypatch.setattr(kernel, "q4_matmul", lambda *args, **kw: calls.append(args[0].shape[0]) or torch.zeros(0))
+    monkeypatch.setattr(kernel, "amx_matmul", lambda *args, **kw: calls.append(args[0].shape[0]) or torch.zeros(0))
     for m in range(1, 7):
         linear.bf16(torch.randn(m, 96).to(torch.bfloat16))
     assert calls == list(range(AMX_MIN_ROWS, 7))

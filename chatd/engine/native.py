@@ -1,6 +1,6 @@
 """The engine's native CPU kernels: RoPE with the K/V write into the paged pool, decode attention over
 it and the element-wise steps between a layer's projections (``decode_attention.c``), and the Q4_1
-matmul on AMX tiles (``q4_matmul.c``).
+matmul on AMX tiles (``amx_matmul.c``).
 
 They are compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for this very CPU
 (``-march=native``), cached under ``<data_dir>/native`` by a hash of the source, the flags, the compiler
@@ -29,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("decode_attention.c"), Path(__file__).with_name("q4_matmul.c"))
+SOURCES = (Path(__file__).with_name("decode_attention.c"), Path(__file__).with_name("amx_matmul.c"))
 # -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
@@ -108,9 +108,9 @@ class EngineKernels:
         self._silu_mul = lib.chatd_silu_mul
         self._silu_mul.argtypes = [p, p, i32, i32, i32]
         self._silu_mul.restype = None
-        self._q4_matmul = lib.chatd_q4_matmul
-        self._q4_matmul.argtypes = [p, i32, i32, p, i32, i32, p, i32]
-        self._q4_matmul.restype = i32
+        self._amx_matmul = lib.chatd_amx_matmul
+        self._amx_matmul.argtypes = [p, i32, i32, p, i32, i32, p, i32]
+        self._amx_matmul.restype = i32
         # AMX tiles: compiled in (the CPU has them) and granted to this process by the kernel
         self.q4_amx = bool(lib.chatd_q4_amx_ready())
         self._limits = lib.chatd_decode_attention_limits
@@ -163,7 +163,7 @@ class EngineKernels:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
-    def q4_matmul(self, x: torch.Tensor, tiles: torch.Tensor, n: int, *, q8: bool = False) -> torch.Tensor:
+    def amx_matmul(self, x: torch.Tensor, tiles: torch.Tensor, n: int, *, q8: bool = False) -> torch.Tensor:
         """bf16 ``x`` ``[M, K]`` (contiguous) times a Q4_1 weight ``[n, K]`` packed by
         :func:`chatd.engine.quant.pack_q4_tiles` (a Q8_0 one packed by ``pack_q8_tiles`` where ``q8``), as a
         new bf16 ``[M, n]``. Only where :attr:`q4_amx`."""
@@ -171,11 +171,11 @@ class EngineKernels:
         size = n * k * 17 // 16 if q8 else n * k * 5 // 8  # 544 or 320 bytes per 512 weights
         if not (self.q4_amx and x.dtype == torch.bfloat16 and x.is_contiguous() and tiles.dtype == torch.uint8
                 and tiles.is_contiguous() and n % 16 == 0 and k % 32 == 0 and tiles.numel() == size):
-            raise ValueError("q4_matmul: unexpected dtypes or layouts, or no AMX here")
+            raise ValueError("amx_matmul: unexpected dtypes or layouts, or no AMX here")
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        if m and self._q4_matmul(x.data_ptr(), m, k, tiles.data_ptr(), int(q8), n, out.data_ptr(),
+        if m and self._amx_matmul(x.data_ptr(), m, k, tiles.data_ptr(), int(q8), n, out.data_ptr(),
                                  torch.get_num_threads()):
-            raise RuntimeError("q4_matmul: this build has no AMX kernel")
+            raise RuntimeError("amx_matmul: this build has no AMX kernel")
         return out
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,

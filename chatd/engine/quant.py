@@ -208,7 +208,7 @@ class Int4Linear(torch.nn.Module):
 
 
 def pack_q4_tiles(weight: Q4_1Weight) -> torch.Tensor:
-    """A Q4_1 ``[N, K]`` weight in the native AMX kernel's layout (``chatd/engine/q4_matmul.c``): uint8
+    """A Q4_1 ``[N, K]`` weight in the native AMX kernel's layout (``chatd/engine/amx_matmul.c``): uint8
     ``[N / 16, K / 32, 320]``, per tile of 16 outputs by 32 inputs the 512 quants in AMX's pairwise
     order, two per byte, then the 16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
     n, k = weight.shape
@@ -226,7 +226,7 @@ def pack_q4_tiles(weight: Q4_1Weight) -> torch.Tensor:
 
 
 class _AmxLinear:
-    """``y = x @ W^T`` for a quantised weight on AMX tiles (:meth:`EngineKernels.q4_matmul`), bf16 in and
+    """``y = x @ W^T`` for a quantised weight on AMX tiles (:meth:`EngineKernels.amx_matmul`), bf16 in and
     out. Each tile of the weight is dequantised once per call, for every row: the values are exactly the
     bf16 copy of the dequantised fp32 weight (the dense twin's), at the quantised weight's memory traffic.
     Below ``AMX_MIN_ROWS`` rows the int4 kernel is ahead (it dequantises per row, but more cheaply), so
@@ -251,7 +251,7 @@ class _AmxLinear:
         """bf16 ``[M, K]`` (contiguous) -> bf16 ``[M, N]``."""
         if x.shape[0] < AMX_MIN_ROWS:
             return self.small.bf16(x)
-        return cast(torch.Tensor, self.kernels.q4_matmul(x, self.tiles, self.out_features, q8=self.q8))
+        return cast(torch.Tensor, self.kernels.amx_matmul(x, self.tiles, self.out_features, q8=self.q8))
 
 
 class AmxQ4Linear(_AmxLinear):

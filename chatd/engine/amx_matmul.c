@@ -160,7 +160,7 @@ static void output_group(const uint16_t *x, int rows, int row0, int k, const uin
 
 /* y [m, n] bf16 = x [m, k] bf16 (contiguous) @ W^T, W packed as above ([n / 16][k / 32] tiles, Q8_0 ones
  * where q8); n a multiple of 16, k of 32. Returns 0, or -1 where this build has no AMX. */
-int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
+int chatd_amx_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
                     int num_threads)
 {
     const int groups = n / 16;
@@ -184,7 +184,7 @@ int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q
 
 int chatd_q4_amx_ready(void) { return 0; }
 
-int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
+int chatd_amx_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
                     int num_threads)
 {
     (void)x, (void)m, (void)k, (void)tiles, (void)q8, (void)n, (void)y, (void)num_threads;
