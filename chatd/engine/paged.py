@@ -154,7 +154,7 @@ def block_table_tensor(block_id_lists: Sequence[Sequence[int]], device: torch.de
     return torch.tensor(rows, dtype=torch.long, device=device).view(len(rows), width)
 
 
-def _gather(pool: PagedKVPool, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_blocks(pool: PagedKVPool, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of every row's blocks: two ``[batch, kv_heads, max_blocks * block_size, head_dim]``
     strided views of one gathered copy each."""
     batch, max_blocks = block_tables.shape
@@ -173,16 +173,19 @@ def paged_attention(query: torch.Tensor, pool: PagedKVPool, layer: int, block_ta
     ``query``: [batch, num_heads, head_dim] (num_heads a multiple of the pool's kv_heads; GQA);
     ``block_tables``: [batch, max_blocks] int64, each row covering ``context_lens[row]`` positions;
     ``context_lens``: [batch] int64, >= 1, counting the new token, whose K/V must already be written.
+    K/V stored narrower than the query are widened to its dtype after the gather.
     Returns [batch, num_heads, head_dim], equal (up to float rounding) to per-sequence SDPA.
     """
     batch, num_heads, head_dim = query.shape
-    keys, values = _gather(pool, layer, block_tables)  # [batch, kv_heads, tokens, head_dim]
+    keys, values = gather_blocks(pool, layer, block_tables)  # [batch, kv_heads, tokens, head_dim]
+    if keys.dtype != query.dtype:  # a pool narrower than the activations
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
     positions = torch.arange(keys.shape[2], device=query.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [batch, 1, 1, tokens] bool
     # Query head h reads KV head h // group (transformers' repeat_kv order).
     grouped = query.view(batch, pool.num_kv_heads, num_heads // pool.num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
-    return out.view(batch, num_heads, head_dim)
+    return out.reshape(batch, num_heads, head_dim)  # CUDA kernels may return it non-contiguous
 
 
 def paged_prefill_attention(query: torch.Tensor, pool: PagedKVPool, layer: int, block_tables: torch.Tensor,
@@ -210,7 +213,7 @@ def paged_prefill_attention(query: torch.Tensor, pool: PagedKVPool, layer: int, 
     padded = query.new_zeros((batch, max_q, num_heads, head_dim))
     padded[seq_index, local] = query
 
-    keys, values = _gather(pool, layer, block_tables)  # [batch, kv_heads, tokens, head_dim]
+    keys, values = gather_blocks(pool, layer, block_tables)  # [batch, kv_heads, tokens, head_dim]
     num_kv_heads = pool.num_kv_heads
     group = num_heads // num_kv_heads
     key_positions = torch.arange(keys.shape[2], device=device)  # [tokens]

@@ -37,6 +37,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.utils import logging as hf_logging
 
 from chatd.config import ModelSettings
+from chatd.engine.graphs import DecodeGraphs
 from chatd.engine.kvcache import BLOCK_SIZE, KVPool, SessionKV, any_layer_kv, appending
 from chatd.engine.llama import (
     DenseLinear,
@@ -327,6 +328,10 @@ class ModelRunner:
         self.info = info
         self.forward = forward
         self._pool: KVPool | None = None
+        # Whether warm_up captures the decode step as CUDA graphs (``[model] cuda_graphs`` on a CUDA device
+        # with the compact forward; set by load), and the captured graphs once it has.
+        self.cuda_graphs = False
+        self.graphs: DecodeGraphs | None = None
 
     @classmethod
     def load(cls, settings: ModelSettings, data_dir: Path) -> ModelRunner:
@@ -406,12 +411,19 @@ class ModelRunner:
         )
         log.info("loaded %s (%s weights, %s activations, %s) in %.1f s", name, weights, info.dtype_name, device,
                  info.load_s)
-        return cls(model, tokenizer, info, forward)
+        runner = cls(model, tokenizer, info, forward)
+        runner.cuda_graphs = settings.cuda_graphs and device.type == "cuda" and forward is not None
+        return runner
 
     def configure_pool(self, budget_bytes: int) -> KVPool:
-        """Give the KV pool ``budget_bytes`` (the device's KV budget). Only before any cache holds blocks."""
-        if self._pool is not None and self._pool.allocator.stats().num_tables:
+        """Give the KV pool ``budget_bytes`` (the device's KV budget). Only before any cache holds blocks
+        (decode graphs, which hold a scratch block and the old pool's addresses, are dropped)."""
+        graphs = self.graphs
+        if self._pool is not None and self._pool.allocator.stats().num_tables > (graphs is not None):
             raise RuntimeError("the KV pool cannot be resized while caches use it")
+        if graphs is not None:
+            graphs.close()
+            self.graphs = None
         i = self.info
         self._pool = KVPool.for_budget(budget_bytes, i.num_layers, i.num_kv_heads, i.head_dim, i.dtype, i.device,
                                        salt=f"{i.weights_hash}:{i.dtype_name}")
@@ -434,6 +446,10 @@ class ModelRunner:
 
         The compact forward does it in one packed pass. transformers' forward runs the single-token runs
         as one batched decode and each longer run as its own prefill."""
+        graphs = self.graphs
+        if graphs is not None and all(len(run) == 1 for run in runs) and graphs.fits(caches):
+            with appending(caches, runs) as step:
+                return graphs.decode(caches, step.starts, [run[0] for run in runs])
         if self.forward is not None:
             return self.forward.step(caches, runs)
         logits: list[torch.Tensor | None] = [None] * len(runs)
@@ -451,13 +467,16 @@ class ModelRunner:
         return torch.stack([row for row in logits if row is not None])
 
     def warm_up(self, max_batch_size: int = 16) -> float:
-        """Run each kind of step once on scratch caches (a prompt chunk, a one-session decode step and a
-        full-batch one), so that the first requests do not pay the kernels' one-time set-up (the bf16
-        matmul's first call alone takes about half a second on this kind of CPU). Returns seconds.
+        """Capture the decode graphs (:attr:`cuda_graphs`), then run each kind of step once on scratch caches
+        (a prompt chunk, a one-session decode step and a full-batch one), so that the first requests do not
+        pay the kernels' one-time set-up (the bf16 matmul's first call alone takes about half a second on
+        this kind of CPU). Returns seconds.
 
         Called once at start-up, before the engine worker exists (chatd.core), so nothing else is using the
         model; afterwards the worker is its only caller."""
         started = time.monotonic()
+        if self.cuda_graphs and self.graphs is None:
+            self.build_decode_graphs(max_batch_size, capture=self.info.device.type == "cuda")
         vocab = self.info.vocab_size
         caches = [self.new_cache() for _ in range(max(1, max_batch_size))]
         try:
@@ -470,6 +489,33 @@ class ModelRunner:
             for cache in caches:
                 cache.free()
         return time.monotonic() - started
+
+    def build_decode_graphs(self, max_batch_size: int, *, capture: bool) -> DecodeGraphs | None:
+        """Route decode steps through :class:`DecodeGraphs` (captured as CUDA graphs with ``capture``; else
+        the same fixed-shape step run eagerly). Before any session holds blocks: it zeroes the pool. A
+        capture that fails is logged and leaves decode eager. Returns the graphs, or None."""
+        if self.forward is None:
+            raise RuntimeError("decode graphs need the compact forward")
+        graphs = DecodeGraphs(self.forward, self.pool, max_batch_size, self.info.max_context, capture=capture)
+        if capture:
+            count = len(graphs.batches) * len(graphs.widths)
+            log.info("capturing the decode step: %d CUDA graphs (batch sizes %s, contexts up to %d tokens)",
+                     count, graphs.batches, graphs.max_context)
+            step = max(1, count // 4)
+
+            def progress(done: int, total: int) -> None:
+                if done % step == 0 or done == total:
+                    log.info("captured %d of %d decode graphs", done, total)
+
+            try:
+                seconds = graphs.capture_all(progress)
+            except Exception:  # a driver or allocator refusing capture must not stop the server: run eagerly
+                log.warning("capturing the decode step failed; decode runs eagerly", exc_info=True)
+                graphs.close()
+                return None
+            log.info("decode graphs captured in %.1f s", seconds)
+        self.graphs = graphs
+        return graphs
 
     def prefill(self, cache: SessionKV, token_ids: Sequence[int]) -> torch.Tensor:
         """Append ``token_ids`` (non-empty) to ``cache``; return the last position's logits ``[vocab]``."""
