@@ -10,7 +10,15 @@ import torch
 from chatd.config import GenerationSettings, ModelSettings
 from chatd.engine.kvcache import KVPool, any_layer_kv, appending
 from chatd.engine.runner import ModelRunner
-from chatd.engine.sampling import NUCLEUS_CANDIDATES, SamplingError, SamplingParams, make_generator, sample, sample_rows
+from chatd.engine.sampling import (
+    NUCLEUS_CANDIDATES,
+    SamplingError,
+    SamplingParams,
+    draw_rows,
+    make_generator,
+    sample,
+    sample_rows,
+)
 from chatd.kv.manager import common_prefix_len, reusable_prefix
 from chatd.kv.policy import CacheRecord, CostModel, choose_victims, idle_victims, persist_candidates, prefer_restore
 from chatd.protocol import GenerationParams
@@ -79,6 +87,25 @@ def test_a_nucleus_wider_than_the_candidates_is_drawn_from_the_whole_row() -> No
     assert all(isinstance(d, int) for d in draws)
     whole = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.2, seed=9)  # fits: the candidates serve
     assert isinstance(sample_rows(logits, [whole], [make_generator(whole)])[0], int)
+
+
+def test_the_gpu_s_whole_row_draw_equals_the_cpu_s_candidates() -> None:
+    """On a GPU a row without top-k is drawn from the whole row sorted; on the CPU from its best
+    NUCLEUS_CANDIDATES when they hold its nucleus. The same uniform number picks the same token either way,
+    and a row whose nucleus is wider is flagged for the whole-row draw."""
+    torch.manual_seed(5)
+    rows = 64
+    scores = torch.randn(rows, 6000) * torch.linspace(0.5, 6, rows)[:, None]  # flat to peaked rows
+    temperatures = torch.rand(rows) + 0.3
+    ks = torch.where(torch.arange(rows) % 4 == 0, 20.0, 0.0)
+    top_ps = torch.where(torch.arange(rows) % 3 == 0, 1.0, 0.9)
+    uniforms = torch.rand(rows)
+    narrow, short = draw_rows(scores, temperatures, ks, top_ps, uniforms, NUCLEUS_CANDIDATES, True)
+    wide, never = draw_rows(scores, temperatures, ks, top_ps, uniforms, 6000, True)
+    assert not never.any()
+    assert short.any() and not short.all()  # the flat rows' nuclei do not fit the candidates
+    assert not short[ks > 0].any()
+    assert torch.equal(narrow[~short], wide[~short])
 
 
 def test_params_resolve_overrides_defaults() -> None:

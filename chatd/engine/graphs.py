@@ -64,7 +64,7 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 def width_buckets(max_blocks: int) -> list[int]:
     """Context widths in blocks: MIN_WIDTH_BLOCKS times 1, 1.5, 2, 3, 4, 6, ..., the last one exactly
     ``max_blocks``."""
-    widths = []
+    widths: list[int] = []
     power = MIN_WIDTH_BLOCKS
     while power < max_blocks:
         widths.extend(w for w in (power, power * 3 // 2) if w < max_blocks)

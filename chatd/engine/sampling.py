@@ -3,6 +3,7 @@ only each row's top candidates (and a whole row for a draw over every token) com
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -79,74 +80,102 @@ def make_generator(params: SamplingParams) -> torch.Generator:
     return gen
 
 
-# A row with no top-k draws its candidates from this many best tokens when they hold the nucleus (top-p
-# mass) whole, which is nearly always; only otherwise is the row sorted whole.
+# On the CPU, a row with no top-k draws its candidates from this many best tokens when they hold the nucleus
+# (top-p mass) whole, which is nearly always; only otherwise is the row sorted whole. On a GPU such a row is
+# sorted whole at once: that costs less there than finding out, which would need another wait for the device.
 NUCLEUS_CANDIDATES = 1024
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> list[int | SamplingError]:
     """The next token of every row of ``logits`` ``[rows, vocab]`` (any float dtype, any device), row ``r``
-    with ``params[r]`` and ``generators[r]``, in one pass: one argmax for the greedy rows, one finiteness
-    check and one top-k for the others; then each sampling row draws from its own generator.
+    with ``params[r]`` and ``generators[r]``.
 
     Per row: greedy when temperature is 0 (ties go to the lowest id, as torch.argmax does). Otherwise
-    temperature scaling, then top-k, then top-p (nucleus, keeping at least one token), then a draw from
-    the row's generator. Any positive temperature is safe: the scores are shifted so the best one is 0
-    before dividing, so they can only underflow to -inf, never overflow.
+    temperature scaling, then top-k, then top-p (nucleus, keeping at least one token), then a draw by the
+    inverse of the kept candidates' cumulative distribution at one uniform number from the row's generator.
+    Any positive temperature is safe: the scores are shifted so the best one is 0 before dividing, so they
+    can only underflow to -inf, never overflow.
+
+    Everything but the uniform numbers runs where the logits are, for all rows at once, and the host waits
+    for the device once: for the picked ids with each row's finiteness. The uniforms are drawn on the host
+    (one per sampling row, from its own CPU generator, so a seeded row draws the same whatever else is in
+    the step) and go to the device with the parameters in one copy that does not wait.
 
     A sampling row whose logits are not all finite gets a SamplingError in its place; the other rows are
     unaffected.
     """
     num_rows, vocab = logits.shape
-    picks: list[int | SamplingError] = [SamplingError("not sampled")] * num_rows
-    greedy = [r for r in range(num_rows) if params[r].greedy]
-    if greedy:
-        chosen = logits[greedy].argmax(dim=-1).tolist() if len(greedy) < num_rows else logits.argmax(dim=-1).tolist()
-        for r, token in zip(greedy, chosen, strict=True):
-            picks[r] = int(token)
-    drawing = [r for r in range(num_rows) if not params[r].greedy]
-    if not drawing:
-        return picks
-    # The whole rows stay where the logits are (a GPU's memory); the host gets each row's finiteness and
-    # its top candidates, and a whole row only for a draw over every token or a very wide nucleus.
-    scores = (logits if len(drawing) == num_rows else logits[drawing]).float()  # [n, vocab] fp32
-    # A row sum is finite when every score is (one fast pass); only the rows it flags are checked whole,
-    # since finite scores of ~1e34 could overflow the sum.
-    finite = torch.isfinite(scores.sum(dim=-1)).tolist()
-    for i in (i for i, ok in enumerate(finite) if not ok):
-        finite[i] = bool(torch.isfinite(scores[i]).all())
-    top_ks = [params[r].top_k if 0 < params[r].top_k < vocab else 0 for r in drawing]
-    width = max(k if k else min(vocab, NUCLEUS_CANDIDATES) for k in top_ks)
-    best_values, best_ids = (t.cpu() for t in torch.topk(scores, width, dim=-1))  # [n, width], best first
-    for i, r in enumerate(drawing):
-        if not finite[i]:
-            picks[r] = SamplingError("the model produced non-finite logits")
-            continue
-        p = params[r]
-        values, ids = best_values[i], best_ids[i]
-        if top_ks[i]:
-            values, ids = values[:top_ks[i]], ids[:top_ks[i]]
-            probs = torch.softmax((values - values[0]) / p.temperature, dim=-1)
-        else:
-            # Every token is a candidate: probabilities over the whole row.
-            shifted = (scores[i] - float(values[0])) / p.temperature  # [vocab], best 0
-            if p.top_p >= 1.0:  # no nucleus either: a draw from the whole row, in token order
-                whole = torch.softmax(shifted, dim=-1).cpu()
-                picks[r] = int(torch.multinomial(whole, 1, generator=generators[r]).item())
-                continue
-            probs = ((values - values[0]) / p.temperature - float(torch.logsumexp(shifted, dim=0))).exp()
-            if float(probs.sum()) < p.top_p:
-                # The nucleus is wider than the candidates: the row whole, best first.
-                values, ids = torch.sort(scores[i].cpu(), descending=True)
-                probs = torch.softmax((values - values[0]) / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            # Drop a candidate when the mass before it already reaches top_p; the first always stays.
-            kept = int(((probs.cumsum(dim=-1) - probs) < p.top_p).sum())
-            probs = probs[:kept]
-        choice = int(torch.multinomial(probs, 1, generator=generators[r]).item())
-        picks[r] = int(ids[choice])
-    return picks
+    drawing = [not p.greedy for p in params]
+    if not any(drawing):
+        return [int(token) for token in logits.argmax(dim=-1).tolist()]
+    device = logits.device
+    top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    columns = [[p.temperature if draw else 1.0 for p, draw in zip(params, drawing, strict=True)],
+               [float(k) for k in top_ks],
+               [p.top_p for p in params],
+               [float(torch.rand((), generator=g)) if draw and g is not None else 0.5
+                for g, draw in zip(generators, drawing, strict=True)],
+               [1.0 if draw else 0.0 for draw in drawing]]
+    host = torch.tensor(columns, dtype=torch.float32)  # [5, rows]
+    settings = (host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device))
+    temperatures, ks, top_ps, uniforms, sampled = settings.unbind(0)
+    scores = logits.float()
+    wanted = [k for k, draw in zip(top_ks, drawing, strict=True) if draw]
+    if all(wanted):
+        width = max(wanted)
+    else:
+        width = vocab if device.type != "cpu" else min(vocab, max(max(wanted), NUCLEUS_CANDIDATES))
+    whole = not all(wanted)
+    picks, short = draw_rows(scores, temperatures, ks, top_ps, uniforms, width, whole)
+    chosen = picks if all(drawing) else torch.where(sampled > 0, picks, scores.argmax(dim=-1))
+    # A row's sum is finite when every score is (one fast pass); only the rows it flags are checked whole
+    # below, since finite scores of ~1e34 can overflow the sum. One transfer for all three.
+    values = torch.stack([chosen.double(), scores.sum(dim=-1).double(), short.double()]).tolist()
+    ids = [int(token) for token in values[0]]
+    ok = [math.isfinite(total) for total in values[1]]
+    narrow = values[2]
+    for r in (r for r in range(num_rows) if drawing[r] and not ok[r]):
+        ok[r] = bool(torch.isfinite(scores[r]).all())
+    redo = [r for r in range(num_rows) if narrow[r] and drawing[r] and ok[r]]
+    if redo:
+        # The CPU's candidates held less than a row's nucleus: that row again, sorted whole.
+        rows = torch.tensor(redo, device=device)
+        again, _ = draw_rows(scores[rows], temperatures[rows], ks[rows], top_ps[rows], uniforms[rows], vocab, True)
+        for r, token in zip(redo, again.tolist(), strict=True):
+            ids[r] = token
+    return [SamplingError("the model produced non-finite logits") if draw and not good else int(token)
+            for token, good, draw in zip(ids, ok, drawing, strict=True)]
+
+
+def draw_rows(scores: torch.Tensor, temperatures: torch.Tensor, ks: torch.Tensor, top_ps: torch.Tensor,
+          uniforms: torch.Tensor, width: int, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw per row of ``scores`` ``[n, vocab]`` fp32 from its ``width`` best tokens. ``ks``: top-k per
+    row (0: none); the rest per row likewise, ``[n]``. ``whole``: some row has no top-k (its probabilities
+    are then relative to the whole row, one more pass over it). Returns the token ids ``[n]`` int64 and, per row,
+    whether its nucleus reaches past the candidates (a row without top-k whose ``width`` best tokens hold
+    less than ``top_p`` of the mass; never when ``width`` is the vocabulary)."""
+    vocab = scores.shape[1]
+    values, ids = torch.topk(scores, width, dim=-1)  # [n, width], best first
+    best = values[:, :1]
+    temperatures = temperatures[:, None]
+    scaled = (values - best) / temperatures  # [n, width], the first 0
+    has_k = ks > 0
+    column = torch.arange(width, device=scores.device)
+    scaled = scaled.masked_fill(has_k[:, None] & (column[None, :] >= ks[:, None]), float("-inf"))
+    # Probabilities within the top-k for a row with one, else within the whole row.
+    norm = torch.logsumexp(scaled, dim=-1)
+    if whole:
+        norm = torch.where(has_k, norm, torch.logsumexp((scores - best) / temperatures, dim=-1))
+    probs = (scaled - norm[:, None]).exp()
+    short = ~has_k & (probs.sum(dim=-1) < top_ps) if width < vocab else torch.zeros_like(has_k)
+    # Drop a candidate when the mass before it already reaches top_p; the first always stays.
+    keep = ((probs.cumsum(dim=-1) - probs) < top_ps[:, None]) | (top_ps[:, None] >= 1.0)
+    cdf = (probs * keep).cumsum(dim=-1)
+    target = uniforms * cdf[:, -1]
+    # The first candidate whose cumulative mass passes the target (a kept one with mass above 0).
+    choice = (cdf <= target[:, None]).sum(dim=-1).clamp_(max=width - 1)
+    return ids.gather(1, choice[:, None])[:, 0], short
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -421,14 +421,16 @@ class EngineWorker:
 
     @staticmethod
     def _sample(logits: torch.Tensor, sampled: Sequence[tuple[int, _Job]]) -> list[int | Exception]:
-        """The next token of each ``(row, job)`` from ``logits[row]``, every row in one pass (greedy rows in
-        one argmax, the others' top-k in one call); a row that cannot be sampled gets its error instead."""
+        """The next token of each ``(row, job)`` from ``logits[row]``, every row in one pass on the logits'
+        device (one wait for it); a row that cannot be sampled gets its error instead."""
         if not sampled:
             return []
         rows = [row for row, _ in sampled]
         jobs = [job for _, job in sampled]
+        # Every row, as in a decode step: no index to copy to the device.
+        chosen = logits if rows == list(range(logits.shape[0])) else logits[rows]
         try:
-            return list(sample_rows(logits[rows], [job.params for job in jobs], [job.generator for job in jobs]))
+            return list(sample_rows(chosen, [job.params for job in jobs], [job.generator for job in jobs]))
         except Exception:
             log.exception("sampling a step's rows together failed; sampling them one by one")
         picks: list[int | Exception] = []
