@@ -223,7 +223,9 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
         f"least {bench.plan.concurrency_min_samples} samples. Aggregate tokens/s = output tokens of a round / "
         "its wall time; aggregate decode tokens/s = the tokens after each client's first, over the span from the "
         "round's first first token to its last reply's end (the decode phase, without the prompts' prefill); "
-        "TTFT is measured by each client from sending to its first token frame. Mean batch = "
+        "TTFT is measured by each client from sending to its first token frame; server TTFT is the reply's "
+        "usage.ttft_ms (from the server taking the message to its first token), so the difference is the "
+        "time the frames spend between the processes, the clients' own work included. Mean batch = "
         "decoded tokens / decode steps, from /admin/stats.",
         columns=[
             Column("clients", "clients"), Column("samples", "samples"),
@@ -232,6 +234,7 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
             Column("decode_scaling", "decode vs 1 client", "{:.2f}x"),
             Column("per_client_tps", "per-client tok/s", "{:.1f}"),
             Column("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"), Column("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
+            Column("server_ttft_p99_ms", "server TTFT p99 ms", "{:.0f}"),
             Column("mean_batch", "mean batch", "{:.1f}"),
         ])
     for level in bench.plan.concurrency:
@@ -239,6 +242,7 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
         bench.log(f"  {level} clients x {rounds} rounds")
         clients = [await ChatClient.connect(server.ws_url, request_timeout=600) for _ in range(level)]
         ttfts: list[float] = []
+        server_ttfts: list[float] = []
         aggregate: list[float] = []
         decode: list[float] = []
         per_client: list[float] = []
@@ -252,6 +256,7 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
                     for i, (c, s) in enumerate(zip(clients, sessions, strict=True))))
                 wall = time.perf_counter() - started
                 ttfts.extend(1000 * r["ttft_s"] for r in results)
+                server_ttfts.extend(r["server_ttft_ms"] for r in results)
                 aggregate.append(ratio(sum(r["output_tokens"] for r in results), wall))
                 span = max(r["done_at"] for r in results) - min(r["first_at"] for r in results)
                 decode.append(ratio(sum(max(0, r["output_tokens"] - 1) for r in results), span))
@@ -266,6 +271,7 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
             "decode_tps": median(decode),
             "per_client_tps": median(per_client), "ttft_p50_ms": percentile(ttfts, 50),
             "ttft_p99_ms": percentile(ttfts, 99), "ttft_max_ms": max(ttfts),
+            "server_ttft_p50_ms": percentile(server_ttfts, 50), "server_ttft_p99_ms": percentile(server_ttfts, 99),
             "mean_batch": ratio(after["decoded_tokens"] - before["decoded_tokens"], steps) if steps else 0.0,
         })
     base = fig.rows[0]["aggregate_tps"]
@@ -280,6 +286,10 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
     if eight is not None and eight is not top:
         fig.add_headline("aggregate decode tokens/s, 8 clients vs 1", eight["decode_scaling"], "{:.2f}x")
     fig.add_headline(f"TTFT p99 with {top['clients']} clients", top["ttft_p99_ms"], "{:.0f} ms")
+    fig.add_headline(f"TTFT p99 with {top['clients']} clients vs 1",
+                     ratio(top["ttft_p99_ms"], fig.rows[0]["ttft_p99_ms"]), "{:.1f}x")
+    fig.add_headline(f"server TTFT p99 with {top['clients']} clients vs 1",
+                     ratio(top["server_ttft_p99_ms"], fig.rows[0]["server_ttft_p99_ms"]), "{:.1f}x")
     return fig
 
 

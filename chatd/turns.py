@@ -34,6 +34,11 @@ from chatd.store.repo import MessageRecord, Repo, SessionRecord
 log = logging.getLogger(__name__)
 
 TITLE_CHARS = 60
+
+
+def _title(content: str) -> str:
+    """A session's title from the first message it gets: its words, one space apart, cut to TITLE_CHARS."""
+    return " ".join(content.split())[:TITLE_CHARS]
 REPLY_COMMIT_DELAYS_S = (0.05, 0.25, 1.0)
 """Pauses between the attempts to store a reply (so 4 attempts in about 1.3 s) before the client is told
 ``reply_not_saved``: a store that is briefly locked or out of space gets a chance to recover."""
@@ -199,6 +204,13 @@ class TurnRunner:
             raise NotFound("no such session")
         return record
 
+    async def _conversation(self, session_id: str) -> tuple[SessionRecord, list[MessageRecord]]:
+        """The session's record and active messages in one read; NotFound when there is no such session."""
+        try:
+            return await self.repo.get_conversation(session_id)
+        except NotFound:
+            raise NotFound("no such session") from None
+
     def check_content(self, content: str) -> None:
         """Raise BadRequest (empty, not valid Unicode) or TooLarge for message content no turn may take."""
         if not content.strip():
@@ -233,17 +245,15 @@ class TurnRunner:
         """Append a user message and generate the reply."""
         started = time.monotonic()
         self.check_content(content)
-        record = await self.require(turn.session_id)
-        messages = await self.repo.get_messages(turn.session_id)
+        record, messages = await self._conversation(turn.session_id)
         user_ids = self.template.message_ids("user", content, len(messages))
         prompt = self.template.prompt_ids([*(m.token_ids for m in messages), user_ids])
         resolved = self._resolve(params, len(prompt))
 
         async def store() -> MessageRecord:
-            user = await self.repo.append_message(turn.session_id, "user", content, user_ids, unanswered=True)
-            if not record.title:
-                await self.repo.set_title(turn.session_id, " ".join(content.split())[:TITLE_CHARS])
-            return user
+            # One transaction: the message, and the title of a session that has none.
+            return await self.repo.append_message(turn.session_id, "user", content, user_ids, unanswered=True,
+                                                  title=None if record.title else _title(content))
 
         await self._generate(turn, store(), prompt, resolved, started, invalidated_from=None)
 
@@ -314,8 +324,7 @@ class TurnRunner:
         stored conversation unchanged regenerates its last reply."""
         started = time.monotonic()
         self.check_conversation(messages)
-        record = await self.require(turn.session_id)
-        stored = await self.repo.get_messages(turn.session_id)
+        record, stored = await self._conversation(turn.session_id)
         same = 0
         while same < min(len(stored), len(messages)) and (stored[same].role, stored[same].content) == messages[same]:
             same += 1
@@ -343,7 +352,7 @@ class TurnRunner:
                                                            start + 1):
                 user = await self.repo.append_message(turn.session_id, role, content, ids, unanswered=index == last)
             if not record.title:
-                await self.repo.set_title(turn.session_id, " ".join(messages[-1][1].split())[:TITLE_CHARS])
+                await self.repo.set_title(turn.session_id, _title(messages[-1][1]))
             return user
 
         await self._generate(turn, store(), prompt, resolved, started, invalidated_from=invalidated_from)

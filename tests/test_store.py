@@ -242,6 +242,23 @@ async def test_set_title(repo: Repo) -> None:
         await repo.set_title("nope", "x")
 
 
+async def test_a_message_titles_an_untitled_session_in_its_own_transaction(repo: Repo) -> None:
+    await repo.create_session(sess("t"), "")
+    first = await repo.append_message(sess("t"), "user", "hello there", [1, 2], title="hello there")
+    session, messages = await repo.get_conversation(sess("t"))
+    assert session.title == "hello there" and session.message_count == 1
+    assert messages == [first]
+    await repo.append_message(sess("t"), "user", "again", [3], title="something else")
+    session, messages = await repo.get_conversation(sess("t"))
+    assert session.title == "hello there"  # a title is never replaced this way
+    assert [m.content for m in messages] == ["hello there", "again"] and session.token_count == 3
+    with pytest.raises(NotFound):
+        await repo.get_conversation(sess("missing"))
+    with pytest.raises(NotFound):  # nothing is written for an unknown session, title or not
+        await repo.append_message(sess("missing"), "user", "x", [1], title="x")
+    assert await repo.get_session(sess("missing")) is None
+
+
 async def test_append_keeps_counts_and_token_ids_exact(repo: Repo) -> None:
     await repo.create_session(sess("s"), "t")
     turns: list[tuple[str, list[int]]] = [

@@ -6,16 +6,21 @@ what it returns was read inside that transaction. No ORM object ever leaves this
 Concurrency: methods that write start with a write to the session row (an UPDATE), which takes
 SQLite's write lock or PostgreSQL's row lock before anything is read. Two writers to the same
 session therefore run one after the other, and SQLite never has to abort a transaction whose
-snapshot went stale. Writers to different sessions only contend on SQLite's single write lock,
-which they wait for (busy timeout) rather than fail.
+snapshot went stale. On SQLite, this process's write transactions also queue for an asyncio lock
+before they begin, so they take the database's single write lock in turn: a writer that found it
+taken would wait in SQLite's busy handler, which sleeps in steps of up to 100 ms (16 new turns at
+once took up to 450 ms to store their messages that way). A writer in another process still waits
+for the lock (busy timeout) rather than fail.
 
 Timestamps are timezone-aware UTC on the way in and out (SQLite drops the offset; reads restore it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import operator
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -178,13 +183,26 @@ class Repo:
     ) -> None:
         self._sessionmaker = sessionmaker
         self._clock = clock
+        bind = sessionmaker.kw.get("bind")
+        sqlite = bind is not None and bind.dialect.name == "sqlite"
+        self._write_lock: asyncio.Lock | None = asyncio.Lock() if sqlite else None
+
+    @contextlib.asynccontextmanager
+    async def _writing(self) -> AsyncIterator[AsyncSession]:
+        """A write transaction; on SQLite, after this process's earlier ones (module docstring)."""
+        if self._write_lock is None:
+            async with self._sessionmaker.begin() as db:
+                yield db
+            return
+        async with self._write_lock, self._sessionmaker.begin() as db:
+            yield db
 
     def _now(self) -> datetime:
         return utc(self._clock())
 
     async def _delete_by_session(self, row: type[SessionRow] | type[SnapshotRow], session_id: str) -> bool:
         """Delete the one row of ``row``'s table keyed by ``session_id``; False when there was none."""
-        async with self._sessionmaker.begin() as db:
+        async with self._writing() as db:
             deleted = await db.execute(
                 delete(row).where(row.session_id == session_id).returning(row.session_id),
                 execution_options=_NO_SYNC,
@@ -202,7 +220,7 @@ class Repo:
         record = SessionRecord(session_id=session_id, title=title, created_at=now, updated_at=now,
                                message_count=0, token_count=0)
         try:
-            async with self._sessionmaker.begin() as db:
+            async with self._writing() as db:
                 db.add(SessionRow(**record.model_dump()))
         except IntegrityError as exc:
             raise BadRequest("session id already exists") from exc
@@ -248,7 +266,7 @@ class Repo:
 
     async def set_title(self, session_id: str, title: str) -> SessionRecord:
         """Rename a session; updated_at moves to now. NotFound for an unknown session."""
-        async with self._sessionmaker.begin() as db:
+        async with self._writing() as db:
             updated = await db.scalars(
                 update(SessionRow)
                 .where(SessionRow.session_id == session_id)
@@ -283,6 +301,19 @@ class Repo:
                 raise NotFound("session not found")
             return messages
 
+    async def get_conversation(self, session_id: str) -> tuple[SessionRecord, list[MessageRecord]]:
+        """The session and its active conversation (as :meth:`get_messages`), read together. NotFound."""
+        async with self._sessionmaker.begin() as db:
+            session = await db.get(SessionRow, session_id)
+            if session is None:
+                raise NotFound("session not found")
+            rows = await db.scalars(
+                select(MessageRow)
+                .where(MessageRow.session_id == session_id, MessageRow.archived_by_edit.is_(None))
+                .order_by(MessageRow.position)
+            )
+            return _record(SessionRecord, session), [_message_record(row) for row in rows]
+
     async def append_message(
         self,
         session_id: str,
@@ -294,12 +325,14 @@ class Repo:
         usage: dict[str, Any] | None = None,
         unanswered: bool = False,
         answers: int | None = None,
+        title: str | None = None,
     ) -> MessageRecord:
         """Append a message at index message_count; counts and updated_at change with it.
 
         ``unanswered`` marks a user message whose reply is still to come; ``answers`` is the message id of
         the user message a reply answers, whose mark is cleared in the same transaction (so either the
-        reply is stored and the mark is gone, or neither happened).
+        reply is stored and the mark is gone, or neither happened). ``title`` becomes the session's title
+        in the same transaction when it has none (an empty one).
 
         NotFound for an unknown session; BadRequest for an unknown role or finish reason;
         ValueError for token ids outside uint32.
@@ -309,14 +342,16 @@ class Repo:
             raise BadRequest(f"finish_reason must be one of {', '.join(FINISH_REASONS)}")
         ids = _token_ids(token_ids)
         now = self._now()
-        async with self._sessionmaker.begin() as db:
+        async with self._writing() as db:
             # Counting first reserves the index under the session's lock (module docstring).
+            titled = {} if title is None else {"title": func.coalesce(func.nullif(SessionRow.title, ""), title)}
             new_count = await _update_session(
                 db,
                 session_id,
                 message_count=SessionRow.message_count + 1,
                 token_count=SessionRow.token_count + len(ids),
                 updated_at=now,
+                **titled,
             )
             row = _new_message(
                 session_id, new_count - 1, role, content, ids, now, finish_reason, usage, unanswered
@@ -348,7 +383,7 @@ class Repo:
         _check_role(role)
         ids = _token_ids(token_ids)
         now = self._now()
-        async with self._sessionmaker.begin() as db:
+        async with self._writing() as db:
             count = await _update_session(db, session_id, updated_at=now)
             if not 0 <= index < count:
                 # Leaving the block with an exception rolls the touch of updated_at back.
@@ -425,7 +460,7 @@ class Repo:
         """
         if record.created_at.tzinfo is None:
             raise ValueError("created_at must be timezone-aware")
-        async with self._sessionmaker.begin() as db:
+        async with self._writing() as db:
             # A no-op write that locks the session row first, so that two puts for one session
             # cannot both find no record and both insert.
             await _update_session(db, record.session_id, message_count=SessionRow.message_count)
