@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatd.domain import SnapshotRecord
@@ -420,6 +420,37 @@ async def test_concurrent_appends_all_land(repo: Repo) -> None:
         assert sorted(m.content for m in messages) == sorted(2 * [f"{sid}{i}" for i in range(10)])
         session = await repo.get_session(sid)
         assert session is not None and (session.message_count, session.token_count) == (20, 20)
+
+
+async def test_appends_that_queue_commit_together_and_fail_alone(repo: Repo, engine: AsyncEngine) -> None:
+    await repo.create_session(sess("a"), "")
+    await repo.create_session(sess("b"), "")
+    commits: list[int] = []
+    event.listen(engine.sync_engine, "commit", lambda _conn: commits.append(1))
+    # Twelve appends at once, one of them to a session that does not exist.
+    targets = [sess("a"), sess("b"), sess("a"), sess("missing"), sess("b"), *[sess("a")] * 7]
+    results = await asyncio.gather(
+        *(repo.append_message(sid, "user", f"m{i}", [i], title=f"t{i}") for i, sid in enumerate(targets)),
+        return_exceptions=True)
+    appends_committed = len(commits)
+    assert isinstance(results[3], NotFound)
+    assert all(not isinstance(r, BaseException) for i, r in enumerate(results) if i != 3)
+    for sid, count in ((sess("a"), 9), (sess("b"), 2)):
+        session, messages = await repo.get_conversation(sid)
+        assert [m.index for m in messages] == list(range(count)) and session.message_count == count
+        assert session.title == f"t{targets.index(sid)}"  # the first append's title, the others kept it
+    assert await repo.get_session(sess("missing")) is None
+    if engine.dialect.name == "sqlite":
+        # The twelve queued together and went in one transaction, which the failing one rolled back, so
+        # each ran again in one of its own: the eleven that succeed committed once each.
+        assert appends_committed == 11, appends_committed
+    else:
+        assert appends_committed == 11  # PostgreSQL: one transaction per append (its row locks order them)
+    commits.clear()
+    await asyncio.gather(*(repo.append_message(sess("b"), "assistant", f"r{i}", [i]) for i in range(8)))
+    assert len(commits) == (1 if engine.dialect.name == "sqlite" else 8)  # SQLite: the eight in one transaction
+    _, messages = await repo.get_conversation(sess("b"))
+    assert [m.index for m in messages] == list(range(10))
 
 
 async def test_data_survives_reopen(store_url: str, clock: FakeClock) -> None:

@@ -12,6 +12,12 @@ taken would wait in SQLite's busy handler, which sleeps in steps of up to 100 ms
 once took up to 450 ms to store their messages that way). A writer in another process still waits
 for the lock (busy timeout) rather than fail.
 
+Appended messages are committed in groups on SQLite: the appends that queue while a transaction runs
+go into the next one together, one BEGIN and one COMMIT (one disk sync) for all of them, and each
+caller hears back only once that transaction committed. When one of them fails, the group is rolled
+back and each is run again in a transaction of its own, so an append still happens completely or not
+at all, on its own.
+
 Timestamps are timezone-aware UTC on the way in and out (SQLite drops the offset; reads restore it).
 """
 
@@ -20,10 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 from sqlalchemy import delete, func, select, update
@@ -53,6 +59,7 @@ from chatd.store.models import (
 # ORM-enabled UPDATE/DELETE would otherwise look for affected objects in the session; we hold none.
 _NO_SYNC = {"synchronize_session": False}
 _R = TypeVar("_R", "SessionRecord", "SnapshotRecord")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,26 @@ def _new_message(
     )
 
 
+@dataclass
+class _Grouped(Generic[_T]):
+    """A write waiting for its group: what to run in the transaction, and where its caller waits."""
+
+    job: Callable[[AsyncSession], Awaitable[_T]]
+    done: asyncio.Future[_T]
+
+    def succeed(self, result: _T) -> None:
+        if not self.done.done():
+            self.done.set_result(result)
+
+    def fail(self, error: BaseException) -> None:
+        if self.done.done():
+            return
+        if isinstance(error, asyncio.CancelledError):
+            self.done.cancel()
+        else:
+            self.done.set_exception(error)
+
+
 def _session_filter(session_ids: Collection[str] | None) -> list[Any]:
     return [] if session_ids is None else [SessionRow.session_id.in_(list(session_ids))]
 
@@ -186,6 +213,8 @@ class Repo:
         bind = sessionmaker.kw.get("bind")
         sqlite = bind is not None and bind.dialect.name == "sqlite"
         self._write_lock: asyncio.Lock | None = asyncio.Lock() if sqlite else None
+        self._queued: list[_Grouped[Any]] = []  # appends waiting for the next group (SQLite)
+        self._drainer: asyncio.Task[None] | None = None
 
     @contextlib.asynccontextmanager
     async def _writing(self) -> AsyncIterator[AsyncSession]:
@@ -196,6 +225,56 @@ class Repo:
             return
         async with self._write_lock, self._sessionmaker.begin() as db:
             yield db
+
+    async def _in_group(self, job: Callable[[AsyncSession], Awaitable[_T]]) -> _T:
+        """Run ``job`` in a write transaction: on SQLite in the next group (module docstring), else in one
+        of its own. Returns what it returned, once its transaction committed."""
+        if self._write_lock is None:
+            async with self._sessionmaker.begin() as db:
+                return await job(db)
+        entry = _Grouped(job, asyncio.get_running_loop().create_future())
+        self._queued.append(entry)
+        if self._drainer is None:
+            self._drainer = asyncio.ensure_future(self._drain())
+        return await entry.done
+
+    async def _drain(self) -> None:
+        try:
+            while self._queued:
+                group = [entry for entry in self._queued if not entry.done.done()]  # a cancelled caller's: dropped
+                self._queued = []
+                if group:
+                    assert self._write_lock is not None
+                    async with self._write_lock:
+                        await self._commit_group(group)
+        finally:
+            self._drainer = None
+
+    async def _commit_group(self, group: list[_Grouped[Any]]) -> None:
+        results: list[Any] = []
+        try:
+            async with self._sessionmaker.begin() as db:
+                for entry in group:
+                    results.append(await entry.job(db))
+        except BaseException as exc:
+            if len(group) == 1 or not isinstance(exc, Exception):
+                for entry in group:
+                    entry.fail(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            # Each again on its own, so only the one that fails fails.
+            for entry in group:
+                try:
+                    async with self._sessionmaker.begin() as db:
+                        result = await entry.job(db)
+                except Exception as error:
+                    entry.fail(error)
+                else:
+                    entry.succeed(result)
+            return
+        for entry, result in zip(group, results, strict=True):
+            entry.succeed(result)
 
     def _now(self) -> datetime:
         return utc(self._clock())
@@ -342,7 +421,8 @@ class Repo:
             raise BadRequest(f"finish_reason must be one of {', '.join(FINISH_REASONS)}")
         ids = _token_ids(token_ids)
         now = self._now()
-        async with self._writing() as db:
+
+        async def job(db: AsyncSession) -> MessageRecord:
             # Counting first reserves the index under the session's lock (module docstring).
             titled = {} if title is None else {"title": func.coalesce(func.nullif(SessionRow.title, ""), title)}
             new_count = await _update_session(
@@ -366,6 +446,8 @@ class Repo:
             db.add(row)
             await db.flush()
             return _message_record(row)
+
+        return await self._in_group(job)
 
     async def replace_from(
         self, session_id: str, index: int, role: str, content: str, token_ids: Sequence[int], *,
