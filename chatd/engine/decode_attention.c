@@ -10,16 +10,70 @@
  * nothing is gathered or padded. Pairs are spread over the threads of the OpenMP runtime that torch itself
  * uses (the same libgomp is loaded once per process).
  *
- * fp32 in, fp32 out, fp32 accumulation.
+ * fp32 queries and output, fp32 accumulation; the pool holds fp32 or bf16 K/V (kv_bf16), read as fp32.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64
 #define SPLIT_MIN_BLOCKS 8 /* a pair's blocks are split for the threads only into ranges this long or more */
+
+/* bf16 <-> fp32, round to nearest even, exactly as torch's .to(torch.bfloat16) rounds (also used by the
+ * element-wise kernels at the end). */
+static inline uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float from_bf16(uint16_t b)
+{
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* 16 bf16 values to fp32, and 16 fp32 values to bf16 rounded as to_bf16 rounds (to nearest even, NaN kept
+ * quiet; denormals kept, unlike the hardware conversion instruction). */
+static inline __m512 load_bf16x16(const uint16_t *src)
+{
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+
+static inline __m512 maskz_load_bf16x16(__mmask16 m, const uint16_t *src)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src)), 16));
+}
+
+static inline __m256i bf16x16(__m512 f)
+{
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan,
+                                    _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+#endif
+
+/* Element `index` of a K or V array of fp32 or bf16 (kv_bf16) values, as fp32. */
+static inline float kv_at(const void *base, int64_t index, int kv_bf16)
+{
+    return kv_bf16 ? from_bf16(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
 
 int chatd_decode_attention_limits(int group, int head_dim, int block_size)
 {
@@ -28,8 +82,6 @@ int chatd_decode_attention_limits(int group, int head_dim, int block_size)
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 /* e^x for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor polynomial in r (relative error
  * about 1e-7, a unit in the last place), scaled by 2^n. Lanes below -87.3 give 0 or a denormal, above
  * 88.7 the largest finite value's neighbourhood; a NaN stays a NaN. */
@@ -54,11 +106,19 @@ static inline __m512 exp16(__m512 x)
  * vector of scores per query head and block), over the blocks [first_block, end_block) of the sequence.
  * It leaves the running softmax's state per query head g in state + g * (head_dim + 2): the largest
  * score, the sum of exp(score - largest), and the values weighted by those, not yet divided. */
-static void attend_blocks16(const float *restrict q, int64_t q_head_stride, const float *restrict keys,
-                            const float *restrict values, const int32_t *restrict table, int length,
-                            int first_block, int end_block, int group, int head_dim, int block_size, float scale,
-                            float *restrict state)
+/* 16 K or V values from element `index` of an fp32 or bf16 (kv_bf16) array, as fp32. */
+static inline __m512 kv16(const void *base, int64_t index, int kv_bf16)
 {
+    return kv_bf16 ? load_bf16x16((const uint16_t *)base + index) : _mm512_loadu_ps((const float *)base + index);
+}
+
+static inline __attribute__((always_inline)) void
+attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *restrict keys,
+                const void *restrict values, const int32_t *restrict table, int length, int first_block,
+                int end_block, int group, int head_dim, int block_size, float scale, float *restrict state,
+                const int kv_bf16)
+{
+    const int esize = kv_bf16 ? 2 : 4;
     __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
     float score[MAX_GROUP][16] __attribute__((aligned(64)));
     float best[MAX_GROUP], total[MAX_GROUP];
@@ -74,21 +134,20 @@ static void attend_blocks16(const float *restrict q, int64_t q_head_stride, cons
         const int n = length - start < block_size ? length - start : block_size;
         const __mmask16 live = (__mmask16)((1u << n) - 1u);
         const int64_t first = (int64_t)table[j] * block_size * head_dim;
-        const float *k = keys + first, *v = values + first;
         if (start + block_size < end) { /* the next block's K and V: another place in the pool */
-            const int64_t next = (int64_t)table[j + 1] * block_size * head_dim;
-            for (int line = 0; line < block_size * head_dim; line += 16) {
-                _mm_prefetch((const char *)(keys + next + line), _MM_HINT_T0);
-                _mm_prefetch((const char *)(values + next + line), _MM_HINT_T0);
+            const int64_t next = (int64_t)table[j + 1] * block_size * head_dim * esize;
+            for (int line = 0; line < block_size * head_dim * esize; line += 64) {
+                _mm_prefetch((const char *)keys + next + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)values + next + line, _MM_HINT_T0);
             }
         }
         for (int t = 0; t < n; t++) {
-            const float *kt = k + (int64_t)t * head_dim;
+            const int64_t kt = first + (int64_t)t * head_dim;
             for (int g = 0; g < group; g++) {
                 const float *qg = q + g * q_head_stride;
-                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kt));
+                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), kv16(keys, kt, kv_bf16));
                 for (int c = 1; c < chunks; c++)
-                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(kt + 16 * c), dot);
+                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv16(keys, kt + 16 * c, kv_bf16), dot);
                 score[g][t] = _mm512_reduce_add_ps(dot) * scale;
             }
         }
@@ -106,9 +165,9 @@ static void attend_blocks16(const float *restrict q, int64_t q_head_stride, cons
                 acc[g][c] = _mm512_mul_ps(acc[g][c], by);
         }
         for (int t = 0; t < n; t++) {
-            const float *vt = v + (int64_t)t * head_dim;
+            const int64_t vt = first + (int64_t)t * head_dim;
             for (int c = 0; c < chunks; c++) {
-                const __m512 vc = _mm512_loadu_ps(vt + 16 * c);
+                const __m512 vc = kv16(values, vt + 16 * c, kv_bf16);
                 for (int g = 0; g < group; g++)
                     acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(score[g][t]), vc, acc[g][c]);
             }
@@ -121,6 +180,23 @@ static void attend_blocks16(const float *restrict q, int64_t q_head_stride, cons
         for (int c = 0; c < chunks; c++)
             _mm512_storeu_ps(st + 2 + 16 * c, acc[g][c]);
     }
+}
+
+/* attend_blocks16 compiled once per K/V element type. */
+static void attend_blocks16_f32(const float *q, int64_t q_head_stride, const void *keys, const void *values,
+                                const int32_t *table, int length, int first_block, int end_block, int group,
+                                int head_dim, int block_size, float scale, float *state)
+{
+    attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
+                    block_size, scale, state, 0);
+}
+
+static void attend_blocks16_bf16(const float *q, int64_t q_head_stride, const void *keys, const void *values,
+                                 const int32_t *table, int length, int first_block, int end_block, int group,
+                                 int head_dim, int block_size, float scale, float *state)
+{
+    attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
+                    block_size, scale, state, 1);
 }
 
 /* The attention of query heads [g0, g0 + group) from the states of `parts` block ranges (consecutive,
@@ -158,8 +234,8 @@ static void finish16(const float *restrict states, int parts, int group, int hea
 #endif
 
 static void attend_pair(const float *restrict q, int64_t q_head_stride, float *restrict out,
-                        const float *restrict keys, const float *restrict values, const int32_t *restrict table,
-                        int length, int group, int head_dim, int block_size, float scale)
+                        const void *restrict keys, const void *restrict values, const int32_t *restrict table,
+                        int length, int group, int head_dim, int block_size, float scale, int kv_bf16)
 {
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     float score[MAX_GROUP][MAX_BLOCK];
@@ -173,14 +249,13 @@ static void attend_pair(const float *restrict q, int64_t q_head_stride, float *r
     for (int start = 0, j = 0; start < length; start += block_size, j++) {
         const int n = length - start < block_size ? length - start : block_size;
         const int64_t first = (int64_t)table[j] * block_size * head_dim;
-        const float *k = keys + first, *v = values + first;
         for (int t = 0; t < n; t++) {
-            const float *kt = k + (int64_t)t * head_dim;
+            const int64_t kt = first + (int64_t)t * head_dim;
             for (int g = 0; g < group; g++) {
                 const float *qg = q + g * q_head_stride;
                 float dot = 0.0f;
                 for (int d = 0; d < head_dim; d++)
-                    dot += qg[d] * kt[d];
+                    dot += qg[d] * kv_at(keys, kt + d, kv_bf16);
                 score[g][t] = dot * scale;
             }
         }
@@ -200,11 +275,11 @@ static void attend_pair(const float *restrict q, int64_t q_head_stride, float *r
                 acc[g][d] *= shrink;
         }
         for (int t = 0; t < n; t++) {
-            const float *vt = v + (int64_t)t * head_dim;
+            const int64_t vt = first + (int64_t)t * head_dim;
             for (int g = 0; g < group; g++) {
                 const float p = score[g][t];
                 for (int d = 0; d < head_dim; d++)
-                    acc[g][d] += p * vt[d];
+                    acc[g][d] += p * kv_at(values, vt + d, kv_bf16);
             }
         }
     }
@@ -217,15 +292,17 @@ static void attend_pair(const float *restrict q, int64_t q_head_stride, float *r
 
 /* q: query rows, [.., num_heads, head_dim] with row stride q_row_stride (elements); row r of the call is
  *    row_index[r]. out: [.., num_heads * head_dim] contiguous rows; the call's row r goes to out row row_index[r].
- * keys, values: this layer's K and V of KV head 0; head h starts head_stride elements further.
+ * keys, values: this layer's K and V of KV head 0, fp32 or bf16 (kv_bf16); head h starts head_stride elements
+ * further.
  * tables: [rows, table_stride] block ids; lengths: [rows] positions each row attends (its cache, new token
  * included). */
 void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t *row_index, float *out,
-                            const float *keys, const float *values, int64_t head_stride,
+                            const void *keys, const void *values, int64_t head_stride,
                             const int32_t *tables, int64_t table_stride, const int32_t *lengths, int rows,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                            int num_threads)
+                            int num_threads, int kv_bf16)
 {
+    const int esize = kv_bf16 ? 2 : 4;
     const int group = num_heads / num_kv_heads;
     const int pairs = rows * num_kv_heads;
 #if defined(__AVX512F__)
@@ -249,9 +326,10 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
             const int first = states != NULL ? part * per : 0, end = states != NULL ? first + per : blocks;
             float local[MAX_GROUP * (MAX_HEAD_DIM + 2)];
             float *state = states != NULL ? states + (int64_t)item * state_size : local;
-            attend_blocks16(qr, head_dim, keys + h * head_stride, values + h * head_stride,
-                            tables + (int64_t)r * table_stride, lengths[r], first, end, group, head_dim,
-                            block_size, scale, state);
+            (kv_bf16 ? attend_blocks16_bf16 : attend_blocks16_f32)(
+                qr, head_dim, (const char *)keys + h * head_stride * esize,
+                (const char *)values + h * head_stride * esize, tables + (int64_t)r * table_stride, lengths[r],
+                first, end, group, head_dim, block_size, scale, state);
             if (states == NULL)
                 finish16(state, 1, group, head_dim,
                          out + (int64_t)row_index[r] * num_heads * head_dim + (int64_t)h * group * head_dim);
@@ -272,8 +350,9 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
         const int r = pair / num_kv_heads, h = pair % num_kv_heads;
         const float *qr = q + (int64_t)row_index[r] * q_row_stride + (int64_t)h * group * head_dim;
         float *o = out + (int64_t)row_index[r] * num_heads * head_dim + (int64_t)h * group * head_dim;
-        attend_pair(qr, head_dim, o, keys + h * head_stride, values + h * head_stride,
-                    tables + (int64_t)r * table_stride, lengths[r], group, head_dim, block_size, scale);
+        attend_pair(qr, head_dim, o, (const char *)keys + h * head_stride * esize,
+                    (const char *)values + h * head_stride * esize, tables + (int64_t)r * table_stride, lengths[r],
+                    group, head_dim, block_size, scale, kv_bf16);
     }
 }
 
@@ -284,13 +363,14 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
  * elements; the Q and K heads are rotated in place at the row's position, in transformers' half-split
  * convention (element j pairs with j + head_dim / 2), with cos / sin tables [max_positions, head_dim].
  * Then the row's K and V heads are copied into this layer's pool at the row's slot (head h of K at
- * keys + h * head_stride + slot * head_dim). Products are rounded before they are added, as torch's
- * separate multiplications and addition do, so the cache holds the same bits as on the torch path. */
+ * keys + h * head_stride + slot * head_dim), as fp32 or rounded to bf16 (kv_bf16). Products are rounded
+ * before they are added, as torch's separate multiplications and addition do, so the cache holds the same
+ * bits as on the torch path. */
 __attribute__((optimize("no-fast-math", "fp-contract=off")))
 void chatd_rope_write(float *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
-                      const float *sin_table, float *keys, float *values, int64_t head_stride,
+                      const float *sin_table, void *keys, void *values, int64_t head_stride,
                       const int64_t *slots, int rows, int num_heads, int num_kv_heads, int head_dim,
-                      int num_threads)
+                      int num_threads, int kv_bf16)
 {
     const int half = head_dim / 2, rotated = num_heads + num_kv_heads;
 #pragma omp parallel for num_threads(num_threads) if (rows >= 64)
@@ -310,10 +390,19 @@ void chatd_rope_write(float *qkv, int64_t row_stride, const int64_t *positions, 
         for (int h = 0; h < num_kv_heads; h++) {
             const float *k = row + (int64_t)(num_heads + h) * head_dim;
             const float *v = row + (int64_t)(rotated + h) * head_dim;
-            float *kd = keys + h * head_stride + at, *vd = values + h * head_stride + at;
-            for (int d = 0; d < head_dim; d++) {
-                kd[d] = k[d];
-                vd[d] = v[d];
+            const int64_t to = h * head_stride + at;
+            if (kv_bf16) {
+                uint16_t *kd = (uint16_t *)keys + to, *vd = (uint16_t *)values + to;
+                for (int d = 0; d < head_dim; d++) {
+                    kd[d] = to_bf16(k[d]);
+                    vd[d] = to_bf16(v[d]);
+                }
+            } else {
+                float *kd = (float *)keys + to, *vd = (float *)values + to;
+                for (int d = 0; d < head_dim; d++) {
+                    kd[d] = k[d];
+                    vd[d] = v[d];
+                }
             }
         }
     }
@@ -323,52 +412,6 @@ void chatd_rope_write(float *qkv, int64_t row_stride, const int64_t *positions, 
  * The element-wise steps around a layer's bf16 projections (a q4 model, or a dense bf16 one): the
  * projections take and return bf16, everything between them runs here in fp32 and is rounded to bf16
  * once, round to nearest even, exactly as torch's .to(torch.bfloat16) rounds. */
-
-#include <string.h>
-
-static inline uint16_t to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t b)
-{
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-#if defined(__AVX512F__)
-/* 16 bf16 values to fp32, and 16 fp32 values to bf16 rounded as to_bf16 rounds (to nearest even, NaN kept
- * quiet; denormals kept, unlike the hardware conversion instruction). */
-static inline __m512 load_bf16x16(const uint16_t *src)
-{
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
-}
-
-static inline __m512 maskz_load_bf16x16(__mmask16 m, const uint16_t *src)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src)), 16));
-}
-
-static inline __m256i bf16x16(__m512 f)
-{
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan,
-                                    _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(rounded);
-}
-#endif
 
 /* The residual add and the RMSNorm that follows it, for every row:
  *   h[r] += add[r] (bf16, row stride add_stride elements; skipped when add is NULL), in place, in fp32;

@@ -33,6 +33,8 @@ SOURCES = (Path(__file__).with_name("decode_attention.c"), Path(__file__).with_n
 # -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
+# The pool dtypes the attention and the K/V write take.
+_KV_DTYPES = (torch.float32, torch.bfloat16)
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120
@@ -97,10 +99,10 @@ class EngineKernels:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._decode_attention = lib.chatd_decode_attention
         self._decode_attention.argtypes = [p, i64, p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32,
-                                           ctypes.c_float, i32]
+                                           ctypes.c_float, i32, i32]
         self._decode_attention.restype = None
         self._rope_write = lib.chatd_rope_write
-        self._rope_write.argtypes = [p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32]
+        self._rope_write.argtypes = [p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32, i32]
         self._rope_write.restype = None
         self._add_rms_norm = lib.chatd_add_rms_norm
         self._add_rms_norm.argtypes = [p, p, i64, p, ctypes.c_float, p, i32, i32, i32]
@@ -125,17 +127,18 @@ class EngineKernels:
         """Rotate the Q and K heads of ``qkv`` ``[rows, (heads + 2 * kv_heads) * head_dim]`` (contiguous fp32)
         in place at ``positions`` (int64 ``[rows]``; ``cos`` / ``sin`` ``[max_positions, head_dim]``, the
         half-split convention), and copy each row's K and V heads into this layer's pool ``keys`` / ``values``
-        (``[kv_heads, num_blocks, block_size, head_dim]``) at ``slots`` (int64 ``[rows]``). Bit for bit what
-        the torch path computes."""
+        (``[kv_heads, num_blocks, block_size, head_dim]``, fp32, or bf16: rounded to nearest even) at ``slots``
+        (int64 ``[rows]``). Bit for bit what the torch path computes."""
         num_kv_heads, num_blocks, block_size, head_dim = keys.shape
-        if not (qkv.dtype == cos.dtype == sin.dtype == keys.dtype == values.dtype == torch.float32
+        if not (qkv.dtype == cos.dtype == sin.dtype == torch.float32 and keys.dtype == values.dtype in _KV_DTYPES
                 and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and keys.is_contiguous()
                 and values.is_contiguous() and positions.dtype == slots.dtype == torch.int64
                 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim):
             raise ValueError("rope_write: unexpected dtypes or layouts")
         self._rope_write(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                          keys.data_ptr(), values.data_ptr(), num_blocks * block_size * head_dim, slots.data_ptr(),
-                         qkv.shape[0], num_heads, num_kv_heads, head_dim, torch.get_num_threads())
+                         qkv.shape[0], num_heads, num_kv_heads, head_dim, torch.get_num_threads(),
+                         int(keys.dtype == torch.bfloat16))
 
     def add_rms_norm(self, h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -184,18 +187,19 @@ class EngineKernels:
         into the same rows of ``out`` ``[n, heads * head_dim]`` (contiguous).
 
         ``keys``, ``values``: one layer of the pool, ``[kv_heads, num_blocks, block_size, head_dim]``
-        contiguous fp32. ``tables``: int32 ``[len(rows), max_blocks]`` block ids; ``lengths``: int32
+        contiguous fp32 or bf16. ``tables``: int32 ``[len(rows), max_blocks]`` block ids; ``lengths``: int32
         ``[len(rows)]`` positions each row attends (its new token included, already written)."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, num_blocks, block_size = keys.shape[0], keys.shape[1], keys.shape[2]
-        if not (q.dtype == keys.dtype == values.dtype == out.dtype == torch.float32 and q.stride(1) == head_dim
+        if not (q.dtype == out.dtype == torch.float32 and keys.dtype == values.dtype in _KV_DTYPES
+                and q.stride(1) == head_dim
                 and q.stride(2) == 1 and out.is_contiguous() and keys.is_contiguous() and values.is_contiguous()
                 and rows.dtype == tables.dtype == lengths.dtype == torch.int32 and tables.is_contiguous()):
             raise ValueError("decode attention: unexpected dtypes or layouts")
         self._decode_attention(q.data_ptr(), q.stride(0), rows.data_ptr(), out.data_ptr(), keys.data_ptr(),
                                values.data_ptr(), num_blocks * block_size * head_dim, tables.data_ptr(),
                                tables.shape[1], lengths.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim,
-                               block_size, scale, torch.get_num_threads())
+                               block_size, scale, torch.get_num_threads(), int(keys.dtype == torch.bfloat16))
 
 
 _loaded: dict[Path, EngineKernels | None] = {}
