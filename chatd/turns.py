@@ -34,11 +34,6 @@ from chatd.store.repo import MessageRecord, Repo, SessionRecord
 log = logging.getLogger(__name__)
 
 TITLE_CHARS = 60
-
-
-def _title(content: str) -> str:
-    """A session's title from the first message it gets: its words, one space apart, cut to TITLE_CHARS."""
-    return " ".join(content.split())[:TITLE_CHARS]
 REPLY_COMMIT_DELAYS_S = (0.05, 0.25, 1.0)
 """Pauses between the attempts to store a reply (so 4 attempts in about 1.3 s) before the client is told
 ``reply_not_saved``: a store that is briefly locked or out of space gets a chance to recover."""
@@ -46,6 +41,11 @@ REPLY_COMMIT_DELAYS_S = (0.05, 0.25, 1.0)
 Conversation = Sequence[tuple[Role, str]]
 """A whole conversation sent by a caller that keeps it (the OpenAI API): (role, content) pairs, ending
 with a user message."""
+
+
+def _title(content: str) -> str:
+    """A session's title from the first message it gets: its words, one space apart, cut to TITLE_CHARS."""
+    return " ".join(content.split())[:TITLE_CHARS]
 
 
 def to_message(record: MessageRecord, *, with_usage: bool = False) -> Message:

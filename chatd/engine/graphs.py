@@ -173,16 +173,16 @@ class DecodeGraphs:
         """Whether a decode step of these sessions (each gaining one position) has a bucket."""
         return len(caches) <= self.batches[-1] and all(c.length < self.max_context for c in caches)
 
-    def decode(self, caches: Sequence[SessionKV], starts: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
-        """The step of one token per cache, whose slots are begun (``starts``: their positions): writes
-        their K/V, returns logits ``[len(caches), vocab]`` fp32 (a copy, valid after the next step)."""
+    def decode(self, caches: Sequence[SessionKV], starts: Sequence[int], slots: Sequence[int],
+               token_ids: Sequence[int]) -> torch.Tensor:
+        """The step of one token per cache, whose slots are begun (``starts``: their positions, ``slots``:
+        their pool slots): writes their K/V, returns logits ``[len(caches), vocab]`` fp32 (a copy, valid
+        after the next step)."""
         count = len(caches)
         block_size = self.pool.block_size
         tables = [c.block_ids[:start // block_size + 1] for c, start in zip(caches, starts, strict=True)]
         batch = self.batches[bisect.bisect_left(self.batches, count)]
         width = self.widths[bisect.bisect_left(self.widths, max(len(t) for t in tables))]
-        slots = [t[start // block_size] * block_size + start % block_size
-                 for t, start in zip(tables, starts, strict=True)]
         self._fill(token_ids, starts, slots, tables, batch, width)
         self.replays += 1
         if not self.capture:

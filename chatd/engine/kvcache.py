@@ -24,6 +24,7 @@ Only the engine worker thread may touch these objects (see worker.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -169,6 +170,7 @@ class SessionKV(DynamicCache):
         self.dtype = pool.dtype
         self.device = pool.device
         self._table: BlockTable | None = None
+        self._pending_ids: list[int] | None = None
         self._pending_slots: torch.Tensor | None = None
         self._restore_views: Layers | None = None
 
@@ -279,32 +281,36 @@ class SessionKV(DynamicCache):
 
     # ------------------------------------------------------------------ a forward pass
 
-    def begin(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Hold slots for ``token_ids`` after the computed positions; returns them, ``[n]`` int64 on the
-        pool's device. Call :meth:`commit` once the forward pass wrote them, :meth:`abort` if it failed."""
+    def begin(self, token_ids: Sequence[int]) -> list[int]:
+        """Hold slots for ``token_ids`` after the computed positions; returns them (pool slot ids). Call
+        :meth:`commit` once the forward pass wrote them, :meth:`abort` if it failed."""
         table = self.table
         if table.num_tokens != table.num_computed_tokens:
             raise RuntimeError("a forward pass on this cache was begun and not finished")
         start = table.num_tokens
         self.pool.copy(self.pool.allocator.append(table, token_ids))
-        self._pending_slots = torch.tensor(table.slot_ids(start), dtype=torch.long, device=self.pool.device)
-        return self._pending_slots
+        self._pending_ids = list(table.slot_ids(start))
+        self._pending_slots = None
+        return self._pending_ids
 
     def pending_slots(self) -> torch.Tensor:
-        if self._pending_slots is None:
+        """The begun slots, ``[n]`` int64 on the pool's device (made on first use)."""
+        if self._pending_ids is None:
             raise RuntimeError("no forward pass begun on this cache")
+        if self._pending_slots is None:
+            self._pending_slots = torch.tensor(self._pending_ids, dtype=torch.long, device=self.pool.device)
         return self._pending_slots
 
     def commit(self) -> None:
         """The begun positions are written: they become part of ``length``."""
         self.pool.allocator.commit(self.table)
-        self._pending_slots = None
+        self._pending_ids = self._pending_slots = None
 
     def abort(self) -> None:
         """The begun positions were not (all) written: drop them."""
         if self._table is not None:
             self.truncate(self._table.num_computed_tokens)
-        self._pending_slots = None
+        self._pending_ids = self._pending_slots = None
 
     def run_views(self, *, written: bool = True) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """Per run of consecutive blocks, per-layer K and V views ``[1, kv_heads, n, head_dim]`` of the
@@ -360,8 +366,15 @@ class StepSlots:
 
     starts: list[int]
     """Per run, the position of its first token (the cache's length before the step)."""
-    slots: torch.Tensor
-    """[rows] int64: every row's pool slot, runs back to back."""
+    slot_ids: list[int]
+    """Every row's pool slot, runs back to back."""
+    device: torch.device
+
+    @functools.cached_property
+    def slots(self) -> torch.Tensor:
+        """``slot_ids`` as ``[rows]`` int64 on the pool's device: one copy for the whole step, made when a
+        forward pass first asks (the captured decode step reads ``slot_ids`` and never does)."""
+        return torch.tensor(self.slot_ids, dtype=torch.long, device=self.device)
 
 
 @contextlib.contextmanager
@@ -369,14 +382,14 @@ def appending(caches: Sequence[SessionKV], runs: Sequence[Sequence[int]]) -> Ite
     """Begin ``runs[i]`` on ``caches[i]`` for every ``i`` around a forward pass: commit all when the block
     exits normally, abort all when it raises. Caches must be distinct and share one pool."""
     starts: list[int] = []
-    slots: list[torch.Tensor] = []
+    slots: list[int] = []
     begun: list[SessionKV] = []
     try:
         for cache, run in zip(caches, runs, strict=True):
             starts.append(cache.length)
-            slots.append(cache.begin(run))
+            slots.extend(cache.begin(run))
             begun.append(cache)
-        yield StepSlots(starts, torch.cat(slots) if len(slots) > 1 else slots[0])
+        yield StepSlots(starts, slots, caches[0].pool.device)
     except BaseException:
         for cache in begun:
             cache.abort()

@@ -463,7 +463,7 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and all(len(run) == 1 for run in runs) and graphs.fits(caches):
             with appending(caches, runs) as step:
-                return graphs.decode(caches, step.starts, [run[0] for run in runs])
+                return graphs.decode(caches, step.starts, step.slot_ids, [run[0] for run in runs])
         if self.forward is not None:
             return self.forward.step(caches, runs)
         logits: list[torch.Tensor | None] = [None] * len(runs)

@@ -1,5 +1,5 @@
 """Sampling parameters and next-token selection. Pure torch, no model. The logits may live on any device;
-only each row's top candidates (and a whole row for a draw over every token) come to the host."""
+a step's rows are sampled there, and only the picked ids (with each row's finiteness) come to the host."""
 
 from __future__ import annotations
 
@@ -149,11 +149,11 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def draw_rows(scores: torch.Tensor, temperatures: torch.Tensor, ks: torch.Tensor, top_ps: torch.Tensor,
-          uniforms: torch.Tensor, width: int, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              uniforms: torch.Tensor, width: int, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One draw per row of ``scores`` ``[n, vocab]`` fp32 from its ``width`` best tokens. ``ks``: top-k per
     row (0: none); the rest per row likewise, ``[n]``. ``whole``: some row has no top-k (its probabilities
-    are then relative to the whole row, one more pass over it). Returns the token ids ``[n]`` int64 and, per row,
-    whether its nucleus reaches past the candidates (a row without top-k whose ``width`` best tokens hold
+    are then relative to the whole row, one more pass over it). Returns the token ids ``[n]`` int64 and, per
+    row, whether its nucleus reaches past the candidates (a row without top-k whose ``width`` best tokens hold
     less than ``top_p`` of the mass; never when ``width`` is the vocabulary)."""
     vocab = scores.shape[1]
     values, ids = torch.topk(scores, width, dim=-1)  # [n, width], best first

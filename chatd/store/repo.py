@@ -16,7 +16,8 @@ Appended messages are committed in groups on SQLite: the appends that queue whil
 go into the next one together, one BEGIN and one COMMIT (one disk sync) for all of them, and each
 caller hears back only once that transaction committed. When one of them fails, the group is rolled
 back and each is run again in a transaction of its own, so an append still happens completely or not
-at all, on its own.
+at all, on its own. A caller cancelled after its append joined a running group does not stop it: the
+append may still be stored.
 
 Timestamps are timezone-aware UTC on the way in and out (SQLite drops the offset; reads restore it).
 """
