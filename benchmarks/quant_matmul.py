@@ -17,9 +17,10 @@ weights per layer: the real working set (fp32 ~540 MB, more than this CPU's cach
 memory traffic counts as it does in a decode step; the LM head there is fp32 / q8_0 / int8.
 
 A third table is the engine's decode path, bf16 in and out, over the same 30 layers' projections (no
-LM head): the int4 kernel (``Int4Linear.bf16``), the native AMX kernel (``AmxQ4Linear``'s
-``amx_matmul``, where the CPU has AMX tiles) and the prepacked bf16 twin (``PackedBf16Linear``). It sets
-``chatd.engine.quant.AMX_MIN_ROWS``, and shows why a model on AMX needs no dense twin of its layers.
+LM head): the int4 kernel (``Int4Linear.bf16``), the native tile kernel (``TileQ4Linear``'s
+``tile_matmul``) on AMX tiles and on AVX512-VNNI vectors, each where the CPU has it, and the prepacked bf16
+twin (``PackedBf16Linear``). It sets ``chatd.engine.quant.TILE_MIN_ROWS``, and shows why a model with a tile
+kernel needs no dense twin of its layers.
 
 Random Q4_1/Q8_0 weights (speed only). Each figure is the best of ``--repeat`` timed loops, the least
 disturbed by other load on a shared machine; still rough.
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from chatd.dev import CACHE_DIR
 from chatd.engine.llama import PackedBf16Linear
 from chatd.engine.native import load_kernels
-from chatd.engine.quant import Int4Linear, Int8RowLinear, Q4_1Weight, Q8_0Linear, Q8_0Weight, pack_q4_tiles
+from chatd.engine.quant import Int4Linear, Int8RowLinear, Q4_1Weight, Q8_0Linear, Q8_0Weight, pack_for
 
 SHAPES = [  # (label, K, N)
     ("576x576 (q, o)", 576, 576),
@@ -148,31 +149,43 @@ def decode_pass(repeat: int) -> None:
     weights = [random_q4_1(n, k) for _ in range(LAYERS) for k, n in LAYER_SHAPES]
     int4 = [Int4Linear(w) for w in weights]
     twin = [PackedBf16Linear(w.dequantize()) if PackedBf16Linear.available() else None for w in weights]
-    amx = [(pack_q4_tiles(w), w.shape[0]) for w in weights] if kernels is not None and kernels.q4_amx else []
+    kinds = [kind for kind in ("amx", "avx512-vnni")
+             if kernels is not None and kernels.select_tile_matmul(kind) == kind]
+    tiles = {kind: [(pack_for(kind, w), w.shape[0]) for w in weights] for kind in kinds}
+    if kernels is not None:
+        kernels.select_tile_matmul(None)
 
     def run(kind: str, inputs: dict[int, torch.Tensor]) -> None:
         for index, weight in enumerate(weights):
             x = inputs[weight.shape[1]]
             if kind == "int4":
                 int4[index].bf16(x)
-            elif kind == "amx" and kernels is not None:
-                kernels.amx_matmul(x, *amx[index])
             elif kind == "twin" and twin[index] is not None:
                 twin[index].bf16(x)
+            elif kernels is not None:
+                kernels.tile_matmul(x, *tiles[kind][index])
+
+    def timed(kind: str, inputs: dict[int, torch.Tensor]) -> float | None:
+        if (kind == "twin" and twin[0] is None) or kind not in ("int4", "twin", *kinds):
+            return None
+        if kernels is not None and kind in kinds:
+            kernels.select_tile_matmul(kind)
+        try:
+            return best_ms(partial(run, kind, inputs), repeat, budget_s=0.0)
+        finally:
+            if kernels is not None:
+                kernels.select_tile_matmul(None)
 
     print()
     print(f"Decode path: {LAYERS} layers x (q|k|v, o, gate|up, down), bf16 in and out, distinct weights per layer"
-          + ("" if amx else " (no AMX tiles here: that column is empty)"))
+          + ("" if kinds else " (no tile kernel here: those columns are empty)"))
     print()
-    print("| M | int4 ms | AMX ms | bf16 twin ms |")
-    print("| --- | --- | --- | --- |")
+    print("| M | int4 ms | AMX tiles ms | AVX512-VNNI tiles ms | bf16 twin ms |")
+    print("| --- | --- | --- | --- | --- |")
     for m in (1, 2, 4, 8, 16, 32, 64, 128):
         inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (576, 1536)}
-        cells = [best_ms(partial(run, kind, inputs), repeat, budget_s=0.0)
-                 if (kind != "amx" or amx) and (kind != "twin" or twin[0] is not None) else None
-                 for kind in ("int4", "amx", "twin")]
+        cells = [timed(kind, inputs) for kind in ("int4", "amx", "avx512-vnni", "twin")]
         print(f"| {m} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from benchmarks.quality import CHAT_PROMPTS, teacher_forced_agreement
 from chatd.config import ModelSettings
 from chatd.engine.llama import DenseLinear, LlamaForward, PackedBf16Linear, takes_bf16, weights_from_transformers
+from chatd.engine.quant import TileQ4Linear
 from chatd.engine.runner import (
     BF16_TWIN_MIN_ROWS,
     ModelRunner,
@@ -126,21 +127,22 @@ def test_weights_resolution() -> None:
 
 # q4 runs natively between its projections where the kernels are built (as the server runs it), else
 # through torch's ops; both must track the reference.
-# "amx-bf16-kv" is the server's default for the packaged model: AMX tiles and a bf16 KV cache.
-_Q4_PATHS = ["native", "torch", "amx", "amx-bf16-kv"]
+# "tiles" runs the Q4_1 / Q8_0 blocks on the native tile kernel (AMX or AVX512-VNNI) where the CPU has one;
+# "tiles-bf16-kv" is the server's default for the packaged model there: that and a bf16 KV cache.
+_Q4_PATHS = ["native", "torch", "tiles", "tiles-bf16-kv"]
 
 
 def _q4(real_runner: ModelRunner, path: str, dequantised: torch.nn.Module | None) -> ModelRunner:
     kernels = real_runner.forward.kernels if real_runner.forward is not None else None
-    amx = path.startswith("amx")
-    if amx and (kernels is None or not kernels.q4_amx):
-        pytest.skip("this CPU has no AMX tiles")
-    forward = gguf_forward(torch.device("cpu"), dequantised, kernels if amx else None)
+    tiles = path.startswith("tiles")
+    if tiles and (kernels is None or not kernels.tile_matmul_kind):
+        pytest.skip("this CPU has neither AMX tiles nor AVX512-VNNI")
+    forward = gguf_forward(torch.device("cpu"), dequantised, kernels if tiles else None)
     assert forward.bf16_projections
     if path != "torch":
         assert kernels is not None
         forward.kernels = kernels
-    if path == "amx-bf16-kv":
+    if path == "tiles-bf16-kv":
         runner = ModelRunner(real_runner.model, real_runner.tokenizer,
                              dataclasses.replace(real_runner.info, dtype=torch.bfloat16), forward)
         runner.configure_pool(256 << 20)
@@ -168,11 +170,16 @@ def _tracks_reference(runner: ModelRunner, reference_model: torch.nn.Module, cop
     # own greedy continuation (teacher forcing), each prompt decoded ``copies`` times in one batch must
     # pick the same token nearly always, and only ever differ on near-ties.
     # The largest logit difference depends on where bf16 roundings of the activations fall, which the order
-    # of fp32 sums moves (SDPA or the native kernel for a prompt's attention, int4 or AMX tiles): measured
+    # of fp32 sums moves (SDPA or the native kernel for a prompt's attention, int4 or the tile kernel): measured
     # 0.63 to 1.06 across the paths here (0.63 with the bf16 KV cache, 96.6 % agreement against 97.7 % with
     # fp32). A wrong kernel is off by far more, and misses clear choices.
+    # The AVX512-VNNI tile kernel rounds x to 8 bits per block of 32 instead of bf16's 8 significant bits per
+    # value (llama.cpp's own Q4_1 rounding): measured 92 % agreement and a largest difference of 1.63-1.71,
+    # still no clear miss.
+    qkv = runner.forward.weights.layers[0].qkv if runner.forward is not None else None
+    int8_activations = isinstance(qkv, TileQ4Linear) and qkv.kind == "avx512-vnni"
     result = teacher_forced_agreement(runner, reference_model, copies=copies)
-    assert result.max_abs_diff <= 1.25
+    assert result.max_abs_diff <= (2.0 if int8_activations else 1.25)
     assert result.clear_misses == 0
     assert result.ratio >= 0.9
 

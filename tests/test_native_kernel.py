@@ -1,13 +1,14 @@
-"""The native kernels (chatd/engine/decode_attention.c, amx_matmul.c): built once per machine and cached;
+"""The native kernels (chatd/engine/decode_attention.c, tile_matmul.c): built once per machine and cached;
 decode attention equal to torch's over the same block tables, and used by the compact forward's decode
-steps with the same greedy tokens as without it; the element-wise steps equal to torch's; the AMX Q4_1
-matmul equal to a matmul by the bf16 dequantised weights."""
+steps with the same greedy tokens as without it; the element-wise steps equal to torch's; the Q4_1 and
+Q8_0 tile matmuls (AMX tiles and AVX512-VNNI vectors, each where the CPU has it) equal to their references:
+the bf16 dequantised weights (AMX), the exact weights times x rounded to int8 per block (VNNI)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,12 +19,15 @@ from chatd.engine.kvcache import KVPool, attend
 from chatd.engine.llama import NATIVE_ATTENTION_MAX_RUN
 from chatd.engine.native import EngineKernels, build, load_kernels
 from chatd.engine.quant import (
-    AMX_MIN_ROWS,
-    AmxQ4Linear,
-    AmxQ8Linear,
+    TILE_MIN_ROWS,
     Q4_1Weight,
     Q8_0Weight,
+    TileQ4Linear,
+    TileQ8Linear,
+    pack_for,
+    pack_q4_quads,
     pack_q4_tiles,
+    pack_q8_quads,
     pack_q8_tiles,
 )
 from chatd.engine.runner import ModelRunner, gguf_forward
@@ -296,72 +300,149 @@ def _q4_weight(n: int, k: int, seed: int) -> Q4_1Weight:
                       quants=torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8))
 
 
-def test_the_amx_q4_matmul_equals_the_bf16_weights_matmul(kernel: EngineKernels) -> None:
-    """The AMX kernel multiplies by exactly the bf16 copy of the dequantised weight (the dense twin's
-    weights), for any row count: one slice of rows, partial slices, several slices and several passes of
-    64 rows. Only the order of the fp32 sums differs from a bf16 matmul."""
-    if not kernel.q4_amx:
-        pytest.skip("this CPU has no AMX tiles: the q4 projections use the int4 kernel (tested in test_quant.py)")
+_TILE_KINDS = ["amx", "avx512-vnni"]
+
+
+@pytest.fixture(params=_TILE_KINDS)
+def tile_kind(request: pytest.FixtureRequest, kernel: EngineKernels) -> Iterator[str]:
+    """Each tile kernel this CPU has, selected for the test and the best one restored after it."""
+    kind: str = request.param
+    if kernel.select_tile_matmul(kind) != kind:
+        kernel.select_tile_matmul(None)
+        pytest.skip(f"this CPU has no {kind} tile kernel")
+    try:
+        yield kind
+    finally:
+        kernel.select_tile_matmul(None)
+
+
+def _tile_reference(kind: str, x: torch.Tensor, weight: Q4_1Weight | Q8_0Weight) -> torch.Tensor:
+    """What the tile kernel ``kind`` computes, before its output is rounded to bf16 (fp64): on AMX, x times the
+    bf16 copy of the dequantised weight; on AVX512-VNNI, the exact weight times x rounded to int8 per block of
+    32 (scale max |x| / 127, to nearest even)."""
+    if kind == "amx":
+        return x.double() @ weight.dequantize().to(torch.bfloat16).double().T
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    rounded = torch.round(blocks * inverse) * scale  # dx * xq
+    return rounded.reshape(m, k).double() @ weight.dequantize().double().T
+
+
+def test_the_q4_tile_matmul_equals_its_reference(kernel: EngineKernels, tile_kind: str) -> None:
+    """The tile kernel computes exactly its reference (:func:`_tile_reference`) for any row count: one pass of
+    rows, partial passes, several passes. Only the order of the fp32 sums differs, and the output is rounded
+    to bf16 once; and it stays close to the exact product."""
     for n, k in ((48, 64), (960, 576), (576, 1536)):
         weight = _q4_weight(n, k, n + k)
-        tiles = pack_q4_tiles(weight)
+        tiles = pack_for(tile_kind, weight)
         assert tiles.shape == (n // 16, k // 32, 320)
-        exact = weight.dequantize().to(torch.bfloat16).float()  # [n, k]
-        for m in (1, 3, 16, 17, 40, 64, 100, 150):
+        for m in (1, 3, 8, 16, 17, 40, 64, 100, 150):
             x = torch.randn(m, k).to(torch.bfloat16)
-            want = x.float() @ exact.T
-            got = kernel.amx_matmul(x, tiles, n).float()
+            got = kernel.tile_matmul(x, tiles, n).double()
+            want = _tile_reference(tile_kind, x, weight)
             scale = want.abs().max()
-            # the output is rounded to bf16 once: within a bf16 rounding of the largest output
-            assert (got - want).abs().max() <= 2 ** -8 * scale, (n, k, m)
+            # within a bf16 rounding of the largest output (half an ulp: under 2 ** -8 of it), and the fp32
+            # sums' own rounding
+            assert (got - want).abs().max() <= 1.05 * 2 ** -8 * scale, (tile_kind, n, k, m)
+            exact = x.double() @ weight.dequantize().double().T
+            assert (got - exact).abs().max() <= 0.02 * exact.abs().max(), (tile_kind, n, k, m)
     with pytest.raises(ValueError):
-        kernel.amx_matmul(torch.randn(2, 64).to(torch.bfloat16), pack_q4_tiles(_q4_weight(32, 64, 1)), 48)
+        kernel.tile_matmul(torch.randn(2, 64).to(torch.bfloat16), pack_for(tile_kind, _q4_weight(32, 64, 1)), 48)
 
 
-def test_the_amx_q8_matmul_equals_the_bf16_weights_matmul(kernel: EngineKernels) -> None:
-    """The same for a Q8_0 weight (the LM head's format), whose values are exact in bf16 times fp16 d."""
-    if not kernel.q4_amx:
-        pytest.skip("this CPU has no AMX tiles")
+def test_the_q8_tile_matmul_equals_its_reference(kernel: EngineKernels, tile_kind: str) -> None:
+    """The same for a Q8_0 weight (the LM head's format)."""
     generator = torch.Generator().manual_seed(11)
     for n, k in ((32, 64), (4096, 576)):
         weight = Q8_0Weight(scale=(torch.rand(n, k // 32, generator=generator) * 0.01).half(),
                             quants=torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8))
-        tiles = pack_q8_tiles(weight)
+        tiles = pack_for(tile_kind, weight)
         assert tiles.shape == (n // 16, k // 32, 544)
-        exact = weight.dequantize().to(torch.bfloat16).float()
-        for m in (4, 16, 70):
+        for m in (1, 4, 9, 16, 70):
             x = torch.randn(m, k).to(torch.bfloat16)
-            want = x.float() @ exact.T
-            got = kernel.amx_matmul(x, tiles, n, q8=True).float()
-            assert (got - want).abs().max() <= 2 ** -8 * want.abs().max(), (n, k, m)
-        linear = AmxQ8Linear(weight, kernel)  # below AMX_MIN_ROWS rows: the int4 kernel's exact Q8_0
-        few = torch.randn(AMX_MIN_ROWS - 1, k).to(torch.bfloat16)
-        want = few.float() @ weight.dequantize().T
-        assert (linear.bf16(few).float() - want).abs().max() <= 0.01 * want.abs().max()  # the kernel's bf16 d
+            want = _tile_reference(tile_kind, x, weight)
+            got = kernel.tile_matmul(x, tiles, n, q8=True).double()
+            assert (got - want).abs().max() <= 1.05 * 2 ** -8 * want.abs().max(), (tile_kind, n, k, m)
+        linear = TileQ8Linear(weight, kernel)
+        few = torch.randn(TILE_MIN_ROWS[tile_kind], k).to(torch.bfloat16)
+        want = few.double() @ weight.dequantize().double().T
+        assert (linear.bf16(few).double() - want).abs().max() <= 0.02 * want.abs().max()
     with pytest.raises(ValueError):  # Q4_1 tiles are not Q8_0 ones
-        kernel.amx_matmul(torch.randn(4, 64).to(torch.bfloat16), pack_q4_tiles(_q4_weight(32, 64, 1)), 32, q8=True)
+        kernel.tile_matmul(torch.randn(4, 64).to(torch.bfloat16), pack_for(tile_kind, _q4_weight(32, 64, 1)), 32,
+                           q8=True)
 
 
-def test_the_amx_linear_serves_few_rows_with_the_int4_kernel(kernel: EngineKernels,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    if not kernel.q4_amx:
+def test_the_layouts_keep_every_quant_and_scale() -> None:
+    """Each layout holds every quant and scale exactly once, where the kernels' comments say."""
+    weight = _q4_weight(32, 64, 5)  # 2 output groups, 2 blocks
+    quads, tiles = pack_q4_quads(weight), pack_q4_tiles(weight)
+    g, kb, n, row = 1, 1, 5, 3  # quad row 3 of block 1: inputs 32 + 12..15 of output 16 + 5
+    q = weight.quants[16 + n, 32 + 4 * row : 32 + 4 * row + 4]
+    assert torch.equal(quads[g, kb, 64 * row + 4 * n : 64 * row + 4 * n + 4] & 0x0F, q)
+    q_high = weight.quants[16 + n, 32 + 4 * (row + 4) : 32 + 4 * (row + 4) + 4]  # quad row 7, high nibbles
+    assert torch.equal(quads[g, kb, 64 * row + 4 * n : 64 * row + 4 * n + 4] >> 4, q_high)
+    assert torch.equal(quads[g, kb, 256:288].view(torch.float16), weight.scale[16:32, kb])
+    assert torch.equal(quads[g, kb, 288:320].view(torch.float16), weight.minimum[16:32, kb])
+    assert torch.equal(tiles[g, kb, 256:320], quads[g, kb, 256:320])
+    q8 = Q8_0Weight(scale=torch.rand(32, 2).half(), quants=torch.randint(-128, 128, (32, 64), dtype=torch.int8))
+    packed = pack_q8_quads(q8)
+    value = packed[g, kb, 64 * row + 4 * n : 64 * row + 4 * n + 4].to(torch.int16) - 128
+    assert torch.equal(value, q8.quants[16 + n, 32 + 4 * row : 32 + 4 * row + 4].to(torch.int16))
+    assert torch.equal(packed[g, kb, 512:544].view(torch.float16), q8.scale[16:32, kb])
+    assert pack_q8_tiles(q8).shape == packed.shape
+    with pytest.raises(ValueError):
+        pack_for("avx512-bf16", weight)
+
+
+def test_the_tile_kinds_agree(kernel: EngineKernels) -> None:
+    """Where the CPU has AMX, its vector kernel gives the same products, to x's int8 rounding."""
+    if kernel.select_tile_matmul("amx") != "amx":
+        kernel.select_tile_matmul(None)
         pytest.skip("this CPU has no AMX tiles")
-    linear = AmxQ4Linear(_q4_weight(64, 96, 7), kernel)
+    weight = _q4_weight(960, 576, 3)
+    x = torch.randn(24, 576).to(torch.bfloat16)
+    try:
+        on_tiles = kernel.tile_matmul(x, pack_for("amx", weight), 960).float()
+        assert kernel.select_tile_matmul("avx512-vnni") == "avx512-vnni"
+        on_vectors = kernel.tile_matmul(x, pack_for("avx512-vnni", weight), 960).float()
+    finally:
+        kernel.select_tile_matmul(None)
+    assert (on_tiles - on_vectors).abs().max() <= 0.02 * on_tiles.abs().max()
+
+
+def test_the_tile_linear_serves_few_rows_with_the_int4_kernel_where_that_is_faster(
+        kernel: EngineKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    kind = kernel.tile_matmul_kind
+    if not kind:
+        pytest.skip("this CPU has neither AMX tiles nor AVX512-VNNI")
+    linear = TileQ4Linear(_q4_weight(64, 96, 7), kernel)
+    assert (linear.small is None) == (TILE_MIN_ROWS[kind] == 1)  # no int4 copy where it is never used
     calls = []
-    monkeypatch.setattr(kernel, "amx_matmul", lambda *args, **kw: calls.append(args[0].shape[0]) or torch.zeros(0))
+    monkeypatch.setattr(kernel, "tile_matmul", lambda *args, **kw: calls.append(args[0].shape[0]) or torch.zeros(0))
     for m in range(1, 7):
         linear.bf16(torch.randn(m, 96).to(torch.bfloat16))
-    assert calls == list(range(AMX_MIN_ROWS, 7))
+    assert calls == list(range(TILE_MIN_ROWS[kind], 7))
 
 
-def test_the_packaged_model_runs_its_q4_blocks_on_amx(real_runner: ModelRunner) -> None:
-    """With AMX, every projection of the packaged model, the LM head included, runs its GGUF blocks for
-    every batch: no dense twin at all."""
+def test_the_tile_linear_refuses_a_kernel_its_weights_are_not_packed_for(kernel: EngineKernels) -> None:
+    if not kernel.tile_matmul_kind:
+        pytest.skip("this CPU has neither AMX tiles nor AVX512-VNNI")
+    linear = TileQ4Linear(_q4_weight(64, 96, 7), kernel)
+    linear.kind = "avx512-vnni" if linear.kind == "amx" else "amx"  # as if packed for the other kernel
+    with pytest.raises(RuntimeError, match="packed for"):
+        linear.bf16(torch.randn(8, 96).to(torch.bfloat16))
+
+
+def test_the_packaged_model_runs_its_q4_blocks_on_the_tile_kernel(real_runner: ModelRunner) -> None:
+    """With a tile kernel, every projection of the packaged model, the LM head included, runs its GGUF blocks
+    for every batch: no dense twin at all."""
     kernels = real_runner.forward.kernels if real_runner.forward is not None else None
     assert kernels is not None
-    if not kernels.q4_amx:
-        pytest.skip("this CPU has no AMX tiles")
+    if not kernels.tile_matmul_kind:
+        pytest.skip("this CPU has neither AMX tiles nor AVX512-VNNI")
     forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
     for layer in forward.weights.layers:
-        assert all(isinstance(p, AmxQ4Linear) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    assert isinstance(forward.weights.lm_head, AmxQ8Linear)
+        assert all(isinstance(p, TileQ4Linear) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert isinstance(forward.weights.lm_head, TileQ8Linear)

@@ -1,6 +1,6 @@
 """The engine's native CPU kernels: RoPE with the K/V write into the paged pool, decode attention over
-it and the element-wise steps between a layer's projections (``decode_attention.c``), and the Q4_1
-matmul on AMX tiles (``amx_matmul.c``).
+it and the element-wise steps between a layer's projections (``decode_attention.c``), and the Q4_1 and
+Q8_0 matmuls on AMX tiles or AVX512-VNNI vectors (``tile_matmul.c``).
 
 They are compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for this very CPU
 (``-march=native``), cached under ``<data_dir>/native`` by a hash of the source, the flags, the compiler
@@ -29,12 +29,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("decode_attention.c"), Path(__file__).with_name("amx_matmul.c"))
+SOURCES = (Path(__file__).with_name("decode_attention.c"), Path(__file__).with_name("tile_matmul.c"))
 # -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
 # The pool dtypes the attention and the K/V write take.
 _KV_DTYPES = (torch.float32, torch.bfloat16)
+# chatd_q4_matmul_kind()'s answers
+_TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx"}
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120
@@ -110,11 +112,15 @@ class EngineKernels:
         self._silu_mul = lib.chatd_silu_mul
         self._silu_mul.argtypes = [p, p, i32, i32, i32]
         self._silu_mul.restype = None
-        self._amx_matmul = lib.chatd_amx_matmul
-        self._amx_matmul.argtypes = [p, i32, i32, p, i32, i32, p, i32]
-        self._amx_matmul.restype = i32
-        # AMX tiles: compiled in (the CPU has them) and granted to this process by the kernel
-        self.q4_amx = bool(lib.chatd_q4_amx_ready())
+        self._tile_matmul = lib.chatd_q4_matmul
+        self._tile_matmul.argtypes = [p, i32, i32, p, i32, i32, p, i32]
+        self._tile_matmul.restype = i32
+        # Which units run tile_matmul: AMX tiles (compiled in, as the CPU has them, and granted to this
+        # process by the kernel), else AVX512-VNNI vectors, else none.
+        self._select_tile_matmul = lib.chatd_q4_matmul_select
+        self._select_tile_matmul.argtypes = [i32]
+        self._select_tile_matmul.restype = i32
+        self.tile_matmul_kind: str | None = _TILE_KINDS[lib.chatd_q4_matmul_kind()]
         self._limits = lib.chatd_decode_attention_limits
         self._limits.argtypes = [i32, i32, i32]
         self._limits.restype = i32
@@ -166,19 +172,33 @@ class EngineKernels:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
-    def amx_matmul(self, x: torch.Tensor, tiles: torch.Tensor, n: int, *, q8: bool = False) -> torch.Tensor:
-        """bf16 ``x`` ``[M, K]`` (contiguous) times a Q4_1 weight ``[n, K]`` packed by
-        :func:`chatd.engine.quant.pack_q4_tiles` (a Q8_0 one packed by ``pack_q8_tiles`` where ``q8``), as a
-        new bf16 ``[M, n]``. Only where :attr:`q4_amx`."""
+    def select_tile_matmul(self, kind: str | None) -> str | None:
+        """Run ``kind`` (``"amx"`` or ``"avx512-vnni"``) for :meth:`tile_matmul` from now on where this CPU has it,
+        the best one for None; returns the kind in effect. The vector kernel also runs where AMX does (the tests
+        compare the two); the server always runs the best."""
+        codes: dict[str | None, int] = {name: number for number, name in _TILE_KINDS.items()}
+        code = codes[kind]
+        self.tile_matmul_kind = _TILE_KINDS[self._select_tile_matmul(code)]
+        return self.tile_matmul_kind
+
+    def tile_matmul(self, x: torch.Tensor, tiles: torch.Tensor, n: int, *, q8: bool = False) -> torch.Tensor:
+        """bf16 ``x`` ``[M, K]`` (contiguous) times a Q4_1 weight ``[n, K]`` (a Q8_0 one where ``q8``) packed for
+        the kernel in effect (:func:`chatd.engine.quant.pack_for` with :attr:`tile_matmul_kind`), as a new bf16
+        ``[M, n]``. Only where :attr:`tile_matmul_kind` is set."""
         m, k = x.shape
         size = n * k * 17 // 16 if q8 else n * k * 5 // 8  # 544 or 320 bytes per 512 weights
-        if not (self.q4_amx and x.dtype == torch.bfloat16 and x.is_contiguous() and tiles.dtype == torch.uint8
-                and tiles.is_contiguous() and n % 16 == 0 and k % 32 == 0 and tiles.numel() == size):
-            raise ValueError("amx_matmul: unexpected dtypes or layouts, or no AMX here")
+        if not (self.tile_matmul_kind and x.dtype == torch.bfloat16 and x.is_contiguous()
+                and tiles.dtype == torch.uint8 and tiles.is_contiguous() and n % 16 == 0 and k % 32 == 0
+                and tiles.numel() == size):
+            raise ValueError("tile_matmul: unexpected dtypes or layouts, or no AMX / AVX512-VNNI here")
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        if m and self._amx_matmul(x.data_ptr(), m, k, tiles.data_ptr(), int(q8), n, out.data_ptr(),
-                                 torch.get_num_threads()):
-            raise RuntimeError("amx_matmul: this build has no AMX kernel")
+        if m:
+            status = self._tile_matmul(x.data_ptr(), m, k, tiles.data_ptr(), int(q8), n, out.data_ptr(),
+                                       torch.get_num_threads())
+            if status == -2:
+                raise MemoryError("tile_matmul: no memory for the dequantised blocks")
+            if status:
+                raise RuntimeError("tile_matmul: this build has no tile kernel")
         return out
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,

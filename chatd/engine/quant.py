@@ -45,8 +45,11 @@ import numpy as np
 import torch
 
 GROUP_SIZE = 32  # weights per ggml block, and the kernel's group size
-# From this many rows a Q4_1 projection runs on AMX tiles where the CPU has them (benchmarks/quant_matmul.py)
-AMX_MIN_ROWS = 4
+# From this many rows a Q4_1 projection runs on the native tile kernel, by the kernel the CPU has; fewer go
+# to torch's int4 kernel. On AMX it dequantises each tile to bf16 for the tile unit, which below 4 rows costs
+# more than the int4 kernel's per-row dequantisation; the AVX512-VNNI kernel multiplies the quants as they
+# are and is ahead from one row (benchmarks/quant_matmul.py).
+TILE_MIN_ROWS = {"amx": 4, "avx512-vnni": 1}
 _Q4_1_BLOCK_BYTES = 20
 _Q8_0_BLOCK_BYTES = 34
 _INNER_K_TILES = 2  # required by the packing op's signature; the CPU packing does not depend on it
@@ -208,12 +211,12 @@ class Int4Linear(torch.nn.Module):
 
 
 def pack_q4_tiles(weight: Q4_1Weight) -> torch.Tensor:
-    """A Q4_1 ``[N, K]`` weight in the native AMX kernel's layout (``chatd/engine/amx_matmul.c``): uint8
+    """A Q4_1 ``[N, K]`` weight in the native tile kernel's layout (``chatd/engine/tile_matmul.c``): uint8
     ``[N / 16, K / 32, 320]``, per tile of 16 outputs by 32 inputs the 512 quants in AMX's pairwise
     order, two per byte, then the 16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
     n, k = weight.shape
     if n % 16 or k % GROUP_SIZE:
-        raise ValueError(f"the AMX kernel needs N a multiple of 16 and K of 32, got {n} x {k}")
+        raise ValueError(f"the tile kernel needs N a multiple of 16 and K of 32, got {n} x {k}")
     groups, blocks = n // 16, k // GROUP_SIZE
     # [group, output, block, pair row, pair] -> [group, block, pair row, output * 2 + pair]
     q = weight.quants.view(groups, 16, blocks, 16, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 16, 32)
@@ -225,21 +228,24 @@ def pack_q4_tiles(weight: Q4_1Weight) -> torch.Tensor:
     return torch.cat([nibbles, per_tile(weight.scale), per_tile(weight.minimum)], dim=-1).contiguous()
 
 
-class _AmxLinear:
-    """``y = x @ W^T`` for a quantised weight on AMX tiles (:meth:`EngineKernels.amx_matmul`), bf16 in and
-    out. Each tile of the weight is dequantised once per call, for every row: the values are exactly the
-    bf16 copy of the dequantised fp32 weight (the dense twin's), at the quantised weight's memory traffic.
-    Below ``AMX_MIN_ROWS`` rows the int4 kernel is ahead (it dequantises per row, but more cheaply), so
-    those calls go to ``small``, the same weight in that kernel's layout."""
+class _TileLinear:
+    """``y = x @ W^T`` for a quantised weight on the native tile kernel (:meth:`EngineKernels.tile_matmul`),
+    bf16 in and out, at the quantised weight's memory traffic: each tile of the weight is read once per call,
+    for every row. On AMX tiles it is dequantised to exactly the bf16 copy of the dequantised fp32 weight (the
+    dense twin's values); on AVX512-VNNI the quants multiply x rounded to int8 per block of 32 (as llama.cpp
+    does). Below ``TILE_MIN_ROWS[kind]`` rows calls go to ``small``, the same weight in torch's int4 kernel's
+    layout (built only where that kernel is used)."""
 
     takes_bf16 = True
     q8 = False
 
-    def __init__(self, shape: tuple[int, int], tiles: torch.Tensor, small: Int4Linear | Q8_0Linear,
+    def __init__(self, weight: Q4_1Weight | Q8_0Weight, small: Callable[[], Int4Linear | Q8_0Linear],
                  kernels: Any) -> None:
-        self.out_features, self.in_features = shape
-        self.tiles = tiles
-        self.small = small
+        self.out_features, self.in_features = weight.shape
+        self.kind: str = kernels.tile_matmul_kind  # the layout the weight is packed in
+        self.tiles = pack_for(self.kind, weight)
+        self.min_rows = TILE_MIN_ROWS[self.kind]
+        self.small = small() if self.min_rows > 1 else None
         self.kernels = kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,41 +255,87 @@ class _AmxLinear:
 
     def bf16(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 ``[M, K]`` (contiguous) -> bf16 ``[M, N]``."""
-        if x.shape[0] < AMX_MIN_ROWS:
+        if x.shape[0] < self.min_rows and self.small is not None:
             return self.small.bf16(x)
-        return cast(torch.Tensor, self.kernels.amx_matmul(x, self.tiles, self.out_features, q8=self.q8))
+        if self.kernels.tile_matmul_kind != self.kind:
+            raise RuntimeError(f"weights packed for the {self.kind} tile kernel, but "
+                               f"{self.kernels.tile_matmul_kind} runs")
+        return cast(torch.Tensor, self.kernels.tile_matmul(x, self.tiles, self.out_features, q8=self.q8))
 
 
-class AmxQ4Linear(_AmxLinear):
-    """A Q4_1 projection on AMX tiles (:func:`pack_q4_tiles`); :class:`Int4Linear` below ``AMX_MIN_ROWS``."""
+class TileQ4Linear(_TileLinear):
+    """A Q4_1 projection on the tile kernel (:func:`pack_for`); :class:`Int4Linear` below ``TILE_MIN_ROWS``."""
 
     def __init__(self, weight: Q4_1Weight, kernels: Any) -> None:
-        super().__init__(weight.shape, pack_q4_tiles(weight), Int4Linear(weight), kernels)
+        super().__init__(weight, lambda: Int4Linear(weight), kernels)
 
 
 def pack_q8_tiles(weight: Q8_0Weight) -> torch.Tensor:
-    """A Q8_0 ``[N, K]`` weight in the native AMX kernel's layout: uint8 ``[N / 16, K / 32, 544]``, per tile
+    """A Q8_0 ``[N, K]`` weight in the native tile kernel's layout: uint8 ``[N / 16, K / 32, 544]``, per tile
     of 16 outputs by 32 inputs the 512 int8 quants in AMX's pairwise order, then the 16 outputs' fp16 ``d``."""
     n, k = weight.shape
     if n % 16 or k % GROUP_SIZE:
-        raise ValueError(f"the AMX kernel needs N a multiple of 16 and K of 32, got {n} x {k}")
+        raise ValueError(f"the tile kernel needs N a multiple of 16 and K of 32, got {n} x {k}")
     groups, blocks = n // 16, k // GROUP_SIZE
     q = weight.quants.view(groups, 16, blocks, 16, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 512)
     scale = weight.scale.view(groups, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
     return torch.cat([q.contiguous().view(torch.uint8), scale], dim=-1).contiguous()
 
 
-class AmxQ8Linear(_AmxLinear):
-    """A Q8_0 projection (the LM head) on AMX tiles (:func:`pack_q8_tiles`); :class:`Q8_0Linear` below
-    ``AMX_MIN_ROWS``."""
+def pack_q4_quads(weight: Q4_1Weight) -> torch.Tensor:
+    """A Q4_1 ``[N, K]`` weight in the vector tile kernel's layout (AVX512-VNNI, ``chatd/engine/tile_matmul.c``):
+    uint8 ``[N / 16, K / 32, 320]``; per tile of 16 outputs by 32 inputs, 4 vectors of 64 bytes (vector v: quad
+    row v in the low nibbles, quad row v + 4 in the high ones, output n's 4 quants at bytes 4n..4n+3), then the
+    16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
+    n, k = weight.shape
+    if n % 16 or k % GROUP_SIZE:
+        raise ValueError(f"the tile kernel needs N a multiple of 16 and K of 32, got {n} x {k}")
+    groups, blocks = n // 16, k // GROUP_SIZE
+    # [group, output, block, quad row, j] -> [group, block, quad row, output, j]
+    q = weight.quants.view(groups, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+    nibbles = (q[:, :, :4] | (q[:, :, 4:] << 4)).reshape(groups, blocks, 256)
+    return torch.cat([nibbles, _per_tile(weight.scale, groups, blocks), _per_tile(weight.minimum, groups, blocks)],
+                     dim=-1).contiguous()
+
+
+def pack_q8_quads(weight: Q8_0Weight) -> torch.Tensor:
+    """A Q8_0 ``[N, K]`` weight in the vector tile kernel's layout: uint8 ``[N / 16, K / 32, 544]``; per tile, 8
+    vectors of 64 bytes (vector r: quad row r, output n's 4 values ``q + 128`` at bytes 4n..4n+3), then the 16
+    outputs' fp16 ``d``."""
+    n, k = weight.shape
+    if n % 16 or k % GROUP_SIZE:
+        raise ValueError(f"the tile kernel needs N a multiple of 16 and K of 32, got {n} x {k}")
+    groups, blocks = n // 16, k // GROUP_SIZE
+    offset = weight.quants.view(torch.uint8) ^ 0x80  # q + 128 as uint8
+    q = offset.view(groups, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 512)
+    return torch.cat([q, _per_tile(weight.scale, groups, blocks)], dim=-1).contiguous()
+
+
+def _per_tile(values: torch.Tensor, groups: int, blocks: int) -> torch.Tensor:
+    """``[N, K/32]`` fp16 -> ``[groups, blocks, 32]`` bytes: each tile's 16 outputs' values."""
+    return values.view(groups, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+
+def pack_for(kind: str, weight: Q4_1Weight | Q8_0Weight) -> torch.Tensor:
+    """``weight`` in the layout the tile kernel ``kind`` (:attr:`EngineKernels.tile_matmul_kind`) reads."""
+    if kind not in TILE_MIN_ROWS:
+        raise ValueError(f"no tile kernel {kind!r}")
+    if isinstance(weight, Q8_0Weight):
+        return pack_q8_tiles(weight) if kind == "amx" else pack_q8_quads(weight)
+    return pack_q4_tiles(weight) if kind == "amx" else pack_q4_quads(weight)
+
+
+class TileQ8Linear(_TileLinear):
+    """A Q8_0 projection (the LM head) on the tile kernel (:func:`pack_for`); :class:`Q8_0Linear` below
+    ``TILE_MIN_ROWS``."""
 
     q8 = True
 
     def __init__(self, weight: Q8_0Weight, kernels: Any) -> None:
-        super().__init__(weight.shape, pack_q8_tiles(weight), Q8_0Linear(weight), kernels)
+        super().__init__(weight, lambda: Q8_0Linear(weight), kernels)
 
 
-Q4Linear = Int4Linear | AmxQ4Linear
+Q4Linear = Int4Linear | TileQ4Linear
 
 
 class Q8_0Linear(torch.nn.Module):
@@ -393,7 +445,7 @@ class GGUFWeights:
     embed_tokens: Q8_0Weight
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor  # [H] fp32
-    lm_head: torch.nn.Module | AmxQ8Linear  # fp32 [..., H] -> fp32 [..., vocab]
+    lm_head: torch.nn.Module | TileQ8Linear  # fp32 [..., H] -> fp32 [..., vocab]
 
 
 def read_dims(reader: gguf.GGUFReader) -> LlamaDims:
@@ -463,22 +515,22 @@ def read_layer(reader: gguf.GGUFReader, dims: LlamaDims, index: int,
 
 def load_gguf_weights(path: str | Path, lm_head: str = "q8_0", kernels: Any | None = None) -> GGUFWeights:
     """Read a llama GGUF whose matrices are Q4_1 (token embedding / LM head Q8_0) and pack them for the
-    int4 kernel, or for the native AMX kernel where ``kernels`` (:class:`chatd.engine.native.EngineKernels`)
-    has it. ``lm_head``: ``"q8_0"`` (exact, :class:`Q8_0Linear`) or ``"int8_rows"``
+    int4 kernel, or for the native tile kernel where ``kernels`` (:class:`chatd.engine.native.EngineKernels`)
+    has one (AMX or AVX512-BF16). ``lm_head``: ``"q8_0"`` (exact, :class:`Q8_0Linear`) or ``"int8_rows"``
     (:class:`Int8RowLinear`). A separate ``output.weight`` is used for the head when the file has one.
     Takes ~3.5 s on one core here; the result holds no fp32 copy of a quantized matrix."""
     make: Callable[[Q4_1Weight], Q4Linear] = Int4Linear
-    if kernels is not None and kernels.q4_amx:
+    if kernels is not None and kernels.tile_matmul_kind:
         def make(weight: Q4_1Weight) -> Q4Linear:
-            return AmxQ4Linear(weight, kernels)
+            return TileQ4Linear(weight, kernels)
     reader = gguf.GGUFReader(str(path))
     dims = read_dims(reader)
     tensors = {t.name: t for t in reader.tensors}
     embed = _typed(tensors, "token_embd.weight", Q8_0Weight)
     head_weight = _typed(tensors, "output.weight", Q8_0Weight) if "output.weight" in tensors else embed
-    head: torch.nn.Module | AmxQ8Linear
-    if lm_head == "q8_0" and kernels is not None and kernels.q4_amx:
-        head = AmxQ8Linear(head_weight, kernels)
+    head: torch.nn.Module | TileQ8Linear
+    if lm_head == "q8_0" and kernels is not None and kernels.tile_matmul_kind:
+        head = TileQ8Linear(head_weight, kernels)
     elif lm_head == "q8_0":
         head = Q8_0Linear(head_weight)
     elif lm_head == "int8_rows":

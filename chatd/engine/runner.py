@@ -312,18 +312,17 @@ def gguf_forward(device: torch.device, dequantised: Any | None = None,
                  kernels: EngineKernels | None = None) -> LlamaForward:
     """The compact forward over the packaged GGUF's own Q4_1 / Q8_0 blocks (CPU int4 kernel).
 
-    ``dequantised``: the converted fp32 model (the same weights, dequantised exactly). Batches of several
-    rows (prefill chunks, decode steps of many sessions) run a dense twin made from it: bf16 on a CPU with
-    bf16 matmul units, else fp32 for prefill-sized batches; single-session decode steps run the blocks.
-    ``kernels`` with AMX (:attr:`EngineKernels.q4_amx`): the Q4_1 and Q8_0 blocks run on AMX tiles for
-    every batch (their cost is nearly flat in the rows, at the blocks' memory traffic: ahead of the twin
-    from one decode row to a 256-token prompt chunk, ``python -m benchmarks.quant_matmul``), and there is
-    no twin."""
+    ``kernels`` with a tile matmul (:attr:`EngineKernels.tile_matmul_kind`: AMX tiles or AVX512-VNNI
+    vectors): the Q4_1 and Q8_0 blocks run on it (on AMX from ``TILE_MIN_ROWS`` rows), at the blocks' memory
+    traffic and growing slowly in the rows; there is no twin (``python -m benchmarks.quant_matmul``).
+    Without one, ``dequantised`` (the converted fp32 model, the same weights dequantised exactly) gives
+    batches of several rows (prefill chunks, decode steps of many sessions) a dense twin: bf16 on a CPU with
+    bf16 matmul units, else fp32 for prefill-sized batches; single-session decode steps run the blocks."""
     if device.type != "cpu":
         raise ConfigError('model.weights = "q4" runs on the CPU; use bfloat16 on CUDA')
-    amx = kernels is not None and kernels.q4_amx
-    gguf = load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF, kernels=kernels if amx else None)
-    if dequantised is None or amx:
+    tiles = kernels is not None and kernels.tile_matmul_kind is not None
+    gguf = load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF, kernels=kernels if tiles else None)
+    if dequantised is None or tiles:
         return LlamaForward(weights_from_gguf(gguf), device)
     if bf16_matmul_is_fast():
         twin = weights_from_transformers(dequantised, bf16_linear)

@@ -1,0 +1,408 @@
+/* chatd's weight-stationary Q4_1 and Q8_0 matmuls for the CPU's AMX tiles or its AVX512-VNNI vector units
+ * (chatd/engine/native.py builds and loads this file next to decode_attention.c; chatd/engine/quant.py's
+ * TileQ4Linear and TileQ8Linear pack the weights).
+ *
+ * y[M, N] = x[M, K] @ W^T for bf16 x and y and a Q4_1 weight W (per block of 32 inputs: w = d * q + m,
+ * q in 0..15, d and m fp16). On AMX, each block of 16 outputs by 32 inputs is read once and dequantised once
+ * into a bf16 tile, which then multiplies every row of x: the cost of a call is the weight's 0.625 bytes per
+ * value plus the dequantisation, nearly flat in M, where a dequantise-per-row kernel pays for every row.
+ * A value is dequantised as bf16(fp32(fp32(d * q) + m)), exactly the bf16 copy of the fp32 weights
+ * that chatd's dense twin holds, so the two paths differ only in the order of the fp32 sums.
+ *
+ * AMX layout, per tile (16 outputs n0..n0+15, inputs kb*32..kb*32+31), 320 bytes:
+ *   16 rows of 16 bytes: row r holds the 32 values (n, k) = (n0 + e / 2, kb * 32 + 2r + e % 2), e = 0..31,
+ *     value e in the low nibble of byte e for e < 16 and in the high nibble of byte e - 16 otherwise. Once
+ *     dequantised, row r is row r of the tile's B operand in AMX's pairwise (VNNI) layout;
+ *   16 fp16 d, then 16 fp16 m, one per output.
+ * Tiles run over kb within an output group: tile (g, kb) is at ((g * K / 32) + kb) * 320.
+ *
+ * A Q8_0 weight (w = d * q, q int8, d fp16) is packed the same way with 544-byte tiles: 16 rows of the 32
+ * int8 values in pairwise order (value e at byte e), then the 16 outputs' fp16 d.
+ *
+ * Where the CPU has no AMX but AVX512-VNNI (AMD Zen 4 and later, Intel Cascade Lake and later), the vector
+ * kernel runs integer dot products instead, as llama.cpp does: each row of x is quantised per block of 32
+ * to int8 with one fp32 scale (dx = max |x| / 127, x ~ dx * xq), and one VPDPBUSD adds 4 products of a
+ * weight's 4-bit (or offset 8-bit) quants and 4 int8 of xq into each of 16 int32 sums. A Q4_1 block then
+ * gives d * dx * sum(q * xq) + m * dx * sum(xq); a Q8_0 block, stored as q + 128, d * dx * (sum((q + 128) *
+ * xq) - 128 * sum(xq)). The weights take part exactly (d * q + m unrounded); x is rounded to 8 bits per
+ * block where the AMX path rounds it to bf16 (llama.cpp's Q4_1 matmul rounds it the same way).
+ * Its layout, per tile of 16 outputs by 32 inputs (quad row r holds inputs 4r..4r+3):
+ *   Q4_1, 320 bytes: 4 vectors of 64 bytes, vector v holding quad row v in its low nibbles and quad row
+ *     v + 4 in its high nibbles, output n's 4 quants at bytes 4n..4n+3; then 16 fp16 d, 16 fp16 m;
+ *   Q8_0, 544 bytes: 8 vectors of 64 bytes, quad row r's q + 128 (as uint8) at bytes 4n..4n+3 of vector
+ *     r; then 16 fp16 d.
+ * chatd_q4_matmul_kind() says which kernel this process runs (and so which layout the weights need).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define Q4_TILE_BYTES 320
+#define Q8_TILE_BYTES 544
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_VNNI 1
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+#endif
+
+#if defined(HAVE_VNNI) || defined(HAVE_AMX)
+#include <immintrin.h>
+#include <stdlib.h>
+
+#define PREFETCH_AHEAD 4 /* tiles */
+#endif
+
+/* ---------------------------------------------------------------- AMX */
+
+#ifdef HAVE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static inline void dequantise_q8(const uint8_t *tile, uint16_t *restrict out /* [16][32] */)
+{
+    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 512)));
+    const __m512 d_lo = _mm512_permutexvar_ps(pairs_lo, d), d_hi = _mm512_permutexvar_ps(pairs_hi, d);
+    for (int r = 0; r < 16; r++) {
+        const __m128i *row = (const __m128i *)(tile + 32 * r);
+        /* d * q is exact in fp32 (11 by 8 significant bits) */
+        const __m512 w_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row))), d_lo);
+        const __m512 w_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1))), d_hi);
+        _mm512_store_si512((__m512i *)(out + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    }
+}
+
+static inline void dequantise_q4(const uint8_t *tile, uint16_t *restrict out /* [16][32] */)
+{
+    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
+    const __m512 d_lo = _mm512_permutexvar_ps(pairs_lo, d), d_hi = _mm512_permutexvar_ps(pairs_hi, d);
+    const __m512 m_lo = _mm512_permutexvar_ps(pairs_lo, m), m_hi = _mm512_permutexvar_ps(pairs_hi, m);
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int r = 0; r < 16; r++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(tile + 16 * r));
+        const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+        const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+        /* d * q is exact in fp32 (11 by 4 significant bits): one fused rounding is the twin's two */
+        const __m512 w_lo = _mm512_fmadd_ps(q_lo, d_lo, m_lo);
+        const __m512 w_hi = _mm512_fmadd_ps(q_hi, d_hi, m_hi);
+        _mm512_store_si512((__m512i *)(out + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    }
+}
+
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define MAX_M_TILES 4 /* rows per pass: 4 accumulator tiles of 16 */
+/* gcc's tile load and store intrinsics are asm statements that do not tell the compiler they read or
+ * write memory: without this fence it may drop the stores of a dequantised tile that only a tile load
+ * reads, or read an accumulator's copy before the tile store has written it. */
+#define MEMORY_FENCE() __asm__ __volatile__("" ::: "memory")
+
+struct tile_config {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* 1 when this process may use the AMX tile registers (Linux asks each process to request them). */
+static int amx_ready(void)
+{
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* Tiles 0..3: accumulators (16 fp32 per row), one per 16-row slice of x; 4: a full slice of x; 5: the
+ * last slice when it is partial (it and its accumulator have that many rows); 6 and 7: dequantised weight
+ * tiles (16 pair rows of 32 bf16), alternate input blocks, so one block's dequantisation overlaps the
+ * previous block's multiplication. */
+static void configure(int rows)
+{
+    const int full = rows / 16, tail_rows = rows % 16;
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    if (tail_rows > 0) {
+        cfg.rows[5] = (uint8_t)tail_rows;
+        cfg.rows[full] = (uint8_t)tail_rows;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows [row0, row0 + rows) of x against output group g, every input block, then y's 16 columns. */
+#define MULTIPLY(A, C, B)                                                                                      \
+    _tile_loadd(A, x + (int64_t)(row0 + 16 * (C)) * k + 32 * kb, 2 * k);                                       \
+    _tile_dpbf16ps(C, A, B)
+#define MULTIPLY_ALL(B)                                                                                        \
+    do {                                                                                                       \
+        _tile_loadd(B, buffer, 64);                                                                            \
+        if (slices > 0) { if (full > 0) { MULTIPLY(4, 0, B); } else { MULTIPLY(5, 0, B); } }                   \
+        if (slices > 1) { if (full > 1) { MULTIPLY(4, 1, B); } else { MULTIPLY(5, 1, B); } }                   \
+        if (slices > 2) { if (full > 2) { MULTIPLY(4, 2, B); } else { MULTIPLY(5, 2, B); } }                   \
+        if (slices > 3) { if (full > 3) { MULTIPLY(4, 3, B); } else { MULTIPLY(5, 3, B); } }                   \
+    } while (0)
+
+static void output_group(const uint16_t *x, int rows, int row0, int k, const uint8_t *tiles, int q8, int g,
+                         uint16_t *y, int n, uint16_t *b /* [2][16][32], 64-byte aligned */, float *c /* [64][16] */)
+{
+    const int blocks = k / 32, full = rows / 16, tail = rows % 16, slices = full + (tail > 0);
+    const int tile_bytes = q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint8_t *group = tiles + (int64_t)g * blocks * tile_bytes;
+    for (int kb = 0; kb < blocks; kb++) {
+        uint16_t *buffer = b + 512 * (kb & 1);
+        const uint8_t *tile = group + (int64_t)kb * tile_bytes;
+        for (int line = 0; line < tile_bytes; line += 64)
+            _mm_prefetch((const char *)tile + PREFETCH_AHEAD * tile_bytes + line, _MM_HINT_T0);
+        if (q8)
+            dequantise_q8(tile, buffer);
+        else
+            dequantise_q4(tile, buffer);
+        MEMORY_FENCE();
+        /* full slices use tile 4, the partial last one tile 5 (its row count is in the configuration) */
+        if (kb & 1)
+            MULTIPLY_ALL(7);
+        else
+            MULTIPLY_ALL(6);
+    }
+    _tile_stored(0, c, 64);
+    if (slices > 1) _tile_stored(1, c + 16 * 16, 64);
+    if (slices > 2) _tile_stored(2, c + 32 * 16, 64);
+    if (slices > 3) _tile_stored(3, c + 48 * 16, 64);
+    MEMORY_FENCE();
+    for (int r = 0; r < rows; r++)
+        _mm256_storeu_si256((__m256i *)(y + (int64_t)(row0 + r) * n + 16 * g),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + 16 * r)));
+}
+
+static void amx_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
+                       int num_threads)
+{
+    const int groups = n / 16;
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint16_t b[2 * 16 * 32] __attribute__((aligned(64)));
+        float c[MAX_M_TILES * 16 * 16] __attribute__((aligned(64)));
+        for (int row0 = 0; row0 < m; row0 += 16 * MAX_M_TILES) {
+            const int rows = m - row0 < 16 * MAX_M_TILES ? m - row0 : 16 * MAX_M_TILES;
+            configure(rows);
+#pragma omp for schedule(static)
+            for (int g = 0; g < groups; g++)
+                output_group(x, rows, row0, k, tiles, q8, g, y, n, b, c);
+        }
+        _tile_release();
+    }
+}
+
+#endif /* HAVE_AMX */
+
+/* ---------------------------------------------------------------- AVX512-VNNI */
+
+#ifdef HAVE_VNNI
+
+#define VECTOR_ROWS 8 /* rows of x per pass: 8 block sums and 8 totals in registers, beside the quad rows */
+
+/* bf16 bits -> fp32 (exact) */
+static inline __m512 widen_bf16(__m256i bits)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* fp32 -> bf16 bits, rounded to nearest even (finite values) */
+static inline __m256i narrow_bf16(__m512 values)
+{
+    const __m512i bits = _mm512_castps_si512(values);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* One row of x (bf16, k values) quantised per block of 32: xq (int8), dx (the block's scale) and
+ * dx * sum(xq) (what a block's offset term multiplies). Compiled without -ffast-math's rewrites, so that
+ * dx = max |x| / 127 and xq = round_half_even(x * (1 / dx)) hold to the bit (the tests recompute them). */
+__attribute__((optimize("no-fast-math"))) static void quantise_row(const uint16_t *row, int k, int8_t *xq, float *dx, float *dx_sum)
+{
+    for (int kb = 0; kb < k / 32; kb++) {
+        const __m512 lo = widen_bf16(_mm256_loadu_si256((const __m256i *)(row + 32 * kb)));
+        const __m512 hi = widen_bf16(_mm256_loadu_si256((const __m256i *)(row + 32 * kb + 16)));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float scale = amax / 127.0f;
+        const __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+        _mm_storeu_si128((__m128i *)(xq + 32 * kb), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(xq + 32 * kb + 16), _mm512_cvtsepi32_epi8(qhi));
+        dx[kb] = scale;
+        dx_sum[kb] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+}
+
+/* Rows [row0, row0 + ROWS) of the quantised x against output group g, then y's 16 columns. ROWS is a
+ * constant where this is inlined. */
+static inline __attribute__((always_inline)) void vnni_rows(const int8_t *xq, const float *dx, const float *dx_sum,
+                                                              int row0, const int ROWS, int k, const uint8_t *group,
+                                                              int q8, int g, uint16_t *y, int n)
+{
+    const int blocks = k / 32, tile_bytes = q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 total[VECTOR_ROWS];
+    for (int r = 0; r < ROWS; r++)
+        total[r] = _mm512_setzero_ps();
+    for (int kb = 0; kb < blocks; kb++) {
+        const uint8_t *tile = group + (int64_t)kb * tile_bytes;
+        for (int line = 0; line < tile_bytes; line += 64)
+            _mm_prefetch((const char *)tile + PREFETCH_AHEAD * tile_bytes + line, _MM_HINT_T0);
+        __m512i w[8];
+        __m512 d, offset;
+        if (q8) {
+            for (int v = 0; v < 8; v++)
+                w[v] = _mm512_loadu_si512((const void *)(tile + 64 * v));
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 512)));
+            offset = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+        } else {
+            for (int v = 0; v < 4; v++) {
+                const __m512i bytes = _mm512_loadu_si512((const void *)(tile + 64 * v));
+                w[v] = _mm512_and_si512(bytes, low4);
+                w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+            }
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
+            offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
+        }
+        for (int r = 0; r < ROWS; r++) {
+            const int64_t row = row0 + r;
+            const int8_t *quads = xq + row * k + 32 * kb;
+            __m512i sum = _mm512_setzero_si512();
+            for (int v = 0; v < 8; v++) {
+                int32_t quad;
+                memcpy(&quad, quads + 4 * v, sizeof quad);
+                sum = _mm512_dpbusd_epi32(sum, w[v], _mm512_set1_epi32(quad));
+            }
+            const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(dx[row * blocks + kb]));
+            total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, total[r]);
+            total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(dx_sum[row * blocks + kb]), total[r]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        _mm256_storeu_si256((__m256i *)(y + (int64_t)(row0 + r) * n + 16 * g), narrow_bf16(total[r]));
+}
+
+static void vnni_group(const int8_t *xq, const float *dx, const float *dx_sum, int m, int k, const uint8_t *tiles,
+                       int q8, int g, uint16_t *y, int n)
+{
+    const int tile_bytes = q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES;
+    const uint8_t *group = tiles + (int64_t)g * (k / 32) * tile_bytes;
+    int row0 = 0;
+    for (; row0 + VECTOR_ROWS <= m; row0 += VECTOR_ROWS)
+        vnni_rows(xq, dx, dx_sum, row0, VECTOR_ROWS, k, group, q8, g, y, n);
+    switch (m - row0) {
+    case 7: vnni_rows(xq, dx, dx_sum, row0, 7, k, group, q8, g, y, n); break;
+    case 6: vnni_rows(xq, dx, dx_sum, row0, 6, k, group, q8, g, y, n); break;
+    case 5: vnni_rows(xq, dx, dx_sum, row0, 5, k, group, q8, g, y, n); break;
+    case 4: vnni_rows(xq, dx, dx_sum, row0, 4, k, group, q8, g, y, n); break;
+    case 3: vnni_rows(xq, dx, dx_sum, row0, 3, k, group, q8, g, y, n); break;
+    case 2: vnni_rows(xq, dx, dx_sum, row0, 2, k, group, q8, g, y, n); break;
+    case 1: vnni_rows(xq, dx, dx_sum, row0, 1, k, group, q8, g, y, n); break;
+    default: break;
+    }
+}
+
+static int vnni_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
+                       int num_threads)
+{
+    const int groups = n / 16, blocks = k / 32;
+    int8_t *xq = malloc((size_t)m * k);
+    float *scales = malloc(2 * (size_t)m * blocks * sizeof(float));
+    if (xq == NULL || scales == NULL) {
+        free(xq);
+        free(scales);
+        return -2;
+    }
+    float *dx = scales, *dx_sum = scales + (size_t)m * blocks;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < m; r++)
+            quantise_row(x + (int64_t)r * k, k, xq + (int64_t)r * k, dx + (int64_t)r * blocks,
+                         dx_sum + (int64_t)r * blocks);
+        /* the loop's barrier: every row is quantised */
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++)
+            vnni_group(xq, dx, dx_sum, m, k, tiles, q8, g, y, n);
+    }
+    free(xq);
+    free(scales);
+    return 0;
+}
+
+#endif /* HAVE_VNNI */
+
+/* ---------------------------------------------------------------- entry points */
+
+static int matmul_kind = -1;
+
+static int best_kind(void)
+{
+#ifdef HAVE_AMX
+    if (amx_ready())
+        return 2;
+#endif
+#ifdef HAVE_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 2: AMX tiles (compiled in, and granted to this process), 1: AVX512-VNNI vectors, 0: neither. */
+int chatd_q4_matmul_kind(void)
+{
+    if (matmul_kind < 0)
+        matmul_kind = best_kind();
+    return matmul_kind;
+}
+
+/* Run ``kind`` from now on where this build and CPU have it (the vector kernel also runs where AMX does: tests
+ * compare the two), the best one for 0; returns the kind in effect. The weights' layout follows the kind. */
+int chatd_q4_matmul_select(int kind)
+{
+    const int best = best_kind();
+#if defined(HAVE_AMX) && !defined(HAVE_VNNI)
+    if (kind == 1)
+        kind = best;
+#endif
+    matmul_kind = kind >= 1 && kind <= best ? kind : best;
+    return matmul_kind;
+}
+
+/* y [m, n] bf16 = x [m, k] bf16 (contiguous) @ W^T, W packed in the layout of the kind in effect ([n / 16][k /
+ * 32] tiles, Q8_0 ones where q8); n a multiple of 16, k of 32. Returns 0; -1 where no kernel runs here, -2
+ * when scratch memory could not be had. */
+int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
+                    int num_threads)
+{
+    const int kind = chatd_q4_matmul_kind();
+#ifdef HAVE_AMX
+    if (kind == 2) {
+        amx_matmul(x, m, k, tiles, q8, n, y, num_threads);
+        return 0;
+    }
+#endif
+#ifdef HAVE_VNNI
+    if (kind == 1)
+        return vnni_matmul(x, m, k, tiles, q8, n, y, num_threads);
+#endif
+    (void)x, (void)m, (void)k, (void)tiles, (void)q8, (void)n, (void)y, (void)num_threads, (void)kind;
+    return -1;
+}
