@@ -39,6 +39,13 @@ CONCURRENT_PROMPTS = (
 )
 
 
+def fresh_prompt(request: int) -> str:
+    """Request ``request``'s message: one of CONCURRENT_PROMPTS behind a number no other request of the run has,
+    so only the chat template's opening (shared by every conversation) is ever found in the cache, and every
+    client of every level prefills its own message."""
+    return f"Request {request}. {CONCURRENT_PROMPTS[request % len(CONCURRENT_PROMPTS)]}"
+
+
 def start_server(bench: Bench) -> ServerProcess:
     # Large budget and no background maintenance: eviction is figure 7's subject, not this one's.
     server = ServerProcess(bench.subdir("server"), bench.model_dir(), model=bench.model_settings(),
@@ -219,7 +226,8 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
     fig = Figure(
         "concurrency", "Concurrent clients: aggregate throughput and time to first token",
         f"N websocket clients, each on its own connection and a new session, send one message at the same "
-        f"moment (greedy, max_tokens {bench.plan.concurrency_tokens}); rounds repeat until a level has at "
+        f"moment (greedy, max_tokens {bench.plan.concurrency_tokens}), every message of the run a different one "
+        f"(only the chat template's opening is ever cached); rounds repeat until a level has at "
         f"least {bench.plan.concurrency_min_samples} samples. Aggregate tokens/s = output tokens of a round / "
         "its wall time; aggregate decode tokens/s = the tokens after each client's first, over the span from the "
         "round's first first token to its last reply's end (the decode phase, without the prompts' prefill); "
@@ -237,6 +245,7 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
             Column("server_ttft_p99_ms", "server TTFT p99 ms", "{:.0f}"),
             Column("mean_batch", "mean batch", "{:.1f}"),
         ])
+    requests = 0
     for level in bench.plan.concurrency:
         rounds = max(1, -(-bench.plan.concurrency_min_samples // level))
         bench.log(f"  {level} clients x {rounds} rounds")
@@ -252,8 +261,9 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
                 sessions = [(await c.create_session()).session_id for c in clients]
                 started = time.perf_counter()
                 results = await asyncio.gather(*(
-                    _stream(c, s, CONCURRENT_PROMPTS[i % len(CONCURRENT_PROMPTS)], bench.plan.concurrency_tokens)
+                    _stream(c, s, fresh_prompt(requests + i), bench.plan.concurrency_tokens)
                     for i, (c, s) in enumerate(zip(clients, sessions, strict=True))))
+                requests += level
                 wall = time.perf_counter() - started
                 ttfts.extend(1000 * r["ttft_s"] for r in results)
                 server_ttfts.extend(r["server_ttft_ms"] for r in results)
