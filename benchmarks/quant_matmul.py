@@ -187,5 +187,6 @@ def decode_pass(repeat: int) -> None:
         cells = [timed(kind, inputs) for kind in ("int4", "amx", "avx512-vnni", "twin")]
         print(f"| {m} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |", flush=True)
 
+
 if __name__ == "__main__":
     main()

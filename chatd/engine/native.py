@@ -196,7 +196,7 @@ class EngineKernels:
             status = self._tile_matmul(x.data_ptr(), m, k, tiles.data_ptr(), int(q8), n, out.data_ptr(),
                                        torch.get_num_threads())
             if status == -2:
-                raise MemoryError("tile_matmul: no memory for the dequantised blocks")
+                raise MemoryError("tile_matmul: no memory for the kernel's scratch")
             if status:
                 raise RuntimeError("tile_matmul: this build has no tile kernel")
         return out

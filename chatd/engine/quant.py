@@ -211,7 +211,7 @@ class Int4Linear(torch.nn.Module):
 
 
 def pack_q4_tiles(weight: Q4_1Weight) -> torch.Tensor:
-    """A Q4_1 ``[N, K]`` weight in the native tile kernel's layout (``chatd/engine/tile_matmul.c``): uint8
+    """A Q4_1 ``[N, K]`` weight in the AMX tile kernel's layout (``chatd/engine/tile_matmul.c``): uint8
     ``[N / 16, K / 32, 320]``, per tile of 16 outputs by 32 inputs the 512 quants in AMX's pairwise
     order, two per byte, then the 16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
     n, k = weight.shape
@@ -221,11 +221,13 @@ def pack_q4_tiles(weight: Q4_1Weight) -> torch.Tensor:
     # [group, output, block, pair row, pair] -> [group, block, pair row, output * 2 + pair]
     q = weight.quants.view(groups, 16, blocks, 16, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 16, 32)
     nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(groups, blocks, 256)
+    return torch.cat([nibbles, _per_tile(weight.scale, groups, blocks), _per_tile(weight.minimum, groups, blocks)],
+                     dim=-1).contiguous()
 
-    def per_tile(values: torch.Tensor) -> torch.Tensor:  # [N, K/32] fp16 -> [groups, blocks, 32] bytes
-        return values.view(groups, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
 
-    return torch.cat([nibbles, per_tile(weight.scale), per_tile(weight.minimum)], dim=-1).contiguous()
+def _per_tile(values: torch.Tensor, groups: int, blocks: int) -> torch.Tensor:
+    """``[N, K/32]`` fp16 -> ``[groups, blocks, 32]`` bytes: each tile's 16 outputs' values."""
+    return values.view(groups, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
 
 
 class _TileLinear:
@@ -271,15 +273,14 @@ class TileQ4Linear(_TileLinear):
 
 
 def pack_q8_tiles(weight: Q8_0Weight) -> torch.Tensor:
-    """A Q8_0 ``[N, K]`` weight in the native tile kernel's layout: uint8 ``[N / 16, K / 32, 544]``, per tile
+    """A Q8_0 ``[N, K]`` weight in the AMX tile kernel's layout: uint8 ``[N / 16, K / 32, 544]``, per tile
     of 16 outputs by 32 inputs the 512 int8 quants in AMX's pairwise order, then the 16 outputs' fp16 ``d``."""
     n, k = weight.shape
     if n % 16 or k % GROUP_SIZE:
         raise ValueError(f"the tile kernel needs N a multiple of 16 and K of 32, got {n} x {k}")
     groups, blocks = n // 16, k // GROUP_SIZE
     q = weight.quants.view(groups, 16, blocks, 16, 2).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 512)
-    scale = weight.scale.view(groups, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
-    return torch.cat([q.contiguous().view(torch.uint8), scale], dim=-1).contiguous()
+    return torch.cat([q.contiguous().view(torch.uint8), _per_tile(weight.scale, groups, blocks)], dim=-1).contiguous()
 
 
 def pack_q4_quads(weight: Q4_1Weight) -> torch.Tensor:
@@ -309,11 +310,6 @@ def pack_q8_quads(weight: Q8_0Weight) -> torch.Tensor:
     offset = weight.quants.view(torch.uint8) ^ 0x80  # q + 128 as uint8
     q = offset.view(groups, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 512)
     return torch.cat([q, _per_tile(weight.scale, groups, blocks)], dim=-1).contiguous()
-
-
-def _per_tile(values: torch.Tensor, groups: int, blocks: int) -> torch.Tensor:
-    """``[N, K/32]`` fp16 -> ``[groups, blocks, 32]`` bytes: each tile's 16 outputs' values."""
-    return values.view(groups, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8)
 
 
 def pack_for(kind: str, weight: Q4_1Weight | Q8_0Weight) -> torch.Tensor:
@@ -516,7 +512,7 @@ def read_layer(reader: gguf.GGUFReader, dims: LlamaDims, index: int,
 def load_gguf_weights(path: str | Path, lm_head: str = "q8_0", kernels: Any | None = None) -> GGUFWeights:
     """Read a llama GGUF whose matrices are Q4_1 (token embedding / LM head Q8_0) and pack them for the
     int4 kernel, or for the native tile kernel where ``kernels`` (:class:`chatd.engine.native.EngineKernels`)
-    has one (AMX or AVX512-BF16). ``lm_head``: ``"q8_0"`` (exact, :class:`Q8_0Linear`) or ``"int8_rows"``
+    has one (AMX or AVX512-VNNI). ``lm_head``: ``"q8_0"`` (exact, :class:`Q8_0Linear`) or ``"int8_rows"``
     (:class:`Int8RowLinear`). A separate ``output.weight`` is used for the head when the file has one.
     Takes ~3.5 s on one core here; the result holds no fp32 copy of a quantized matrix."""
     make: Callable[[Q4_1Weight], Q4Linear] = Int4Linear

@@ -136,7 +136,6 @@ def slabs(tensors: Layers, num_kv_heads: int) -> Iterator[torch.Tensor]:
 # ---------------------------------------------------------------- writing
 
 
-
 def encode_body(out: BinaryIO, layers: Layers, num_kv_heads: int, store_dtype: torch.dtype, level: int,
                 version: int) -> int:
     """Write the body (after the header) of a version 1 or 2 snapshot; return the bytes written.
