@@ -178,6 +178,7 @@ class Chatd:
         finally:
             self.worker.stop()
             self.snapshots.close()
+            await self.repo.close()
             await self.engine.dispose()
 
     # ------------------------------------------------------------------ reading

@@ -1,6 +1,7 @@
 """The conversation store's repository, on a real SQLite file and on a real PostgreSQL cluster.
 
-Every test runs once per backend. The schema always comes from ``alembic upgrade head``. The
+Every test runs once per backend, and on a SQLite file twice: with a turn's calls on the plain sqlite3 path
+(the default) and with everything on the ORM. The schema always comes from ``alembic upgrade head``. The
 PostgreSQL variant starts a throwaway cluster of its own (initdb into a temporary folder); it fails
 with install instructions when the server binaries or asyncpg are missing, and is skipped only
 when ``CHATD_TEST_POSTGRES=0``.
@@ -9,6 +10,7 @@ when ``CHATD_TEST_POSTGRES=0``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import importlib.util
 import itertools
@@ -18,7 +20,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -147,9 +149,20 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
+@pytest.fixture(params=["sqlite", "sqlite-orm", "postgresql"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def direct(backend: str) -> bool:
+    """Whether repositories may take the plain sqlite3 path (it only exists on a SQLite file)."""
+    return backend != "sqlite-orm"
+
+
+@pytest.fixture
+async def store_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if backend.startswith("sqlite"):
         url = f"sqlite+aiosqlite:///{tmp_path / 'data' / 'chatd.db'}"
     else:
         cluster: PgCluster = request.getfixturevalue("pg_cluster")
@@ -171,8 +184,19 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def repo(engine: AsyncEngine, clock: FakeClock) -> Repo:
-    return Repo(make_sessionmaker(engine), clock=clock)
+async def repo(engine: AsyncEngine, clock: FakeClock, backend: str, direct: bool) -> AsyncIterator[Repo]:
+    repo = Repo(make_sessionmaker(engine), clock=clock, direct=direct)
+    assert (repo.direct is not None) == (backend == "sqlite")
+    yield repo
+    await repo.close()
+
+
+def commit_counter(repo: Repo, engine: AsyncEngine) -> Callable[[], int]:
+    """How many write transactions the repository has committed since this call, on either path."""
+    orm: list[int] = []
+    event.listen(engine.sync_engine, "commit", lambda _conn: orm.append(1))
+    start = 0 if repo.direct is None else repo.direct.committed
+    return lambda: len(orm) + (0 if repo.direct is None else repo.direct.committed - start)
 
 
 async def count_rows(engine: AsyncEngine, table: str, session_id: str) -> int:
@@ -425,14 +449,13 @@ async def test_concurrent_appends_all_land(repo: Repo) -> None:
 async def test_appends_that_queue_commit_together_and_fail_alone(repo: Repo, engine: AsyncEngine) -> None:
     await repo.create_session(sess("a"), "")
     await repo.create_session(sess("b"), "")
-    commits: list[int] = []
-    event.listen(engine.sync_engine, "commit", lambda _conn: commits.append(1))
+    commits = commit_counter(repo, engine)
     # Twelve appends at once, one of them to a session that does not exist.
     targets = [sess("a"), sess("b"), sess("a"), sess("missing"), sess("b"), *[sess("a")] * 7]
     results = await asyncio.gather(
         *(repo.append_message(sid, "user", f"m{i}", [i], title=f"t{i}") for i, sid in enumerate(targets)),
         return_exceptions=True)
-    appends_committed = len(commits)
+    appends_committed = commits()
     assert isinstance(results[3], NotFound)
     assert all(not isinstance(r, BaseException) for i, r in enumerate(results) if i != 3)
     for sid, count in ((sess("a"), 9), (sess("b"), 2)):
@@ -447,30 +470,32 @@ async def test_appends_that_queue_commit_together_and_fail_alone(repo: Repo, eng
         assert appends_committed == 11, appends_committed
     else:
         assert appends_committed == 11  # PostgreSQL: one transaction per append (its row locks order them)
-    commits.clear()
+    commits = commit_counter(repo, engine)
     await asyncio.gather(*(repo.append_message(sess("b"), "assistant", f"r{i}", [i]) for i in range(8)))
-    assert len(commits) == (1 if engine.dialect.name == "sqlite" else 8)  # SQLite: the eight in one transaction
+    assert commits() == (1 if engine.dialect.name == "sqlite" else 8)  # SQLite: the eight in one transaction
     _, messages = await repo.get_conversation(sess("b"))
     assert [m.index for m in messages] == list(range(10))
 
 
-async def test_data_survives_reopen(store_url: str, clock: FakeClock) -> None:
+async def test_data_survives_reopen(store_url: str, clock: FakeClock, direct: bool) -> None:
     first = create_engine(store_url)
-    repo = Repo(make_sessionmaker(first), clock=clock)
+    repo = Repo(make_sessionmaker(first), clock=clock, direct=direct)
     await repo.create_session(sess("s"), "persisted")
     await repo.append_message(sess("s"), "user", "héllo ✓", [1, 70000], usage={"k": [1, 2]})
     await repo.replace_from(sess("s"), 0, "user", "edited", [2])
     await repo.put_snapshot(snapshot(sess("s"), "s.kv", clock()))
     state = (await repo.get_session(sess("s")), await repo.get_messages(sess("s")), await repo.list_edits(sess("s")),
              await repo.get_snapshot(sess("s")))
+    await repo.close()
     await first.dispose()
 
     second = create_engine(store_url)
+    reopened = Repo(make_sessionmaker(second), direct=direct)
     try:
-        reopened = Repo(make_sessionmaker(second))
         assert (await reopened.get_session(sess("s")), await reopened.get_messages(sess("s")),
                 await reopened.list_edits(sess("s")), await reopened.get_snapshot(sess("s"))) == state
     finally:
+        await reopened.close()
         await second.dispose()
 
 
@@ -488,3 +513,86 @@ async def test_migrated_schema_matches_models(store_url: str, engine: AsyncEngin
     await upgrade_async(store_url)
     async with engine.connect() as conn:
         assert await conn.run_sync(compare) == []
+
+
+# -- the plain sqlite3 path against the ORM ------------------------------------------------------------------
+
+
+async def _one_history(repo: Repo) -> list[Any]:
+    """The same calls on any repository; everything they returned."""
+    returned: list[Any] = [await repo.create_session(sess("h"), "")]
+    user = await repo.append_message(sess("h"), "user", "héllo ✓ ' \" \\", [0, 1, 70000, 2**32 - 1], unanswered=True,
+                                     title="first title")
+    returned.append(user)
+    usage = {"input_tokens": 4, "cache_tier": "gpu", "nested": {"ratio": 0.25, "list": [1, None]}, "ok": True}
+    returned.append(await repo.append_message(sess("h"), "assistant", "réply", [5, 6], finish_reason="stop",
+                                              usage=usage, answers=user.message_id, title="not used"))
+    returned.append(await repo.append_message(sess("h"), "user", "", [], unanswered=True))
+    returned.append(await repo.replace_from(sess("h"), 2, "user", "edited", [9], unanswered=True))
+    returned.append(await repo.append_message(sess("h"), "assistant", "again", [7], finish_reason="length"))
+    returned += [await repo.get_conversation(sess("h")), await repo.get_messages(sess("h")),
+                 await repo.get_session(sess("h")), await repo.list_edits(sess("h"))]
+    return returned
+
+
+def _rows(path: Path) -> dict[str, list[tuple[Any, ...]]]:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return {table: conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
+                for table in ("sessions", "messages", "edits")}
+
+
+async def test_the_direct_path_stores_and_returns_what_the_orm_does(tmp_path: Path) -> None:
+    # One history through each path, each in a file of its own with the same clock: the same records
+    # come back and the same bytes are stored.
+    results, tables = [], []
+    for direct in (True, False):
+        path = tmp_path / f"{direct}.db"
+        url = f"sqlite+aiosqlite:///{path}"
+        await upgrade_async(url)
+        engine = create_engine(url)
+        repo = Repo(make_sessionmaker(engine), clock=FakeClock(), direct=direct)
+        assert (repo.direct is not None) == direct
+        try:
+            results.append(await _one_history(repo))
+        finally:
+            await repo.close()
+            await engine.dispose()
+        tables.append(_rows(path))
+    assert results[0] == results[1]
+    assert tables[0] == tables[1]
+    assert [m.content for m in results[0][-3]] == ["héllo ✓ ' \" \\", "réply", "edited", "again"]
+    assert tables[0]["messages"][1][9] == '{"input_tokens": 4, "cache_tier": "gpu", "nested": {"ratio": 0.25, ' \
+                                          '"list": [1, null]}, "ok": true}'
+
+
+async def test_each_path_reads_what_the_other_wrote(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'shared.db'}"
+    await upgrade_async(url)
+    engine = create_engine(url)
+    clock = FakeClock()
+    fast, orm = (Repo(make_sessionmaker(engine), clock=clock, direct=d) for d in (True, False))
+    try:
+        await orm.create_session(sess("x"), "")
+        for i in range(6):
+            writer = (fast, orm)[i % 2]
+            await writer.append_message(sess("x"), ("user", "assistant")[i % 2], f"m{i}", [i] * i,
+                                        usage=None if i % 3 else {"i": i}, unanswered=i == 5, title=f"t{i}")
+        assert await fast.get_conversation(sess("x")) == await orm.get_conversation(sess("x"))
+        assert await fast.get_session(sess("x")) == await orm.get_session(sess("x"))
+        session, messages = await fast.get_conversation(sess("x"))
+        assert session.title == "t0" and session.message_count == 6 and session.token_count == 15
+        assert [m.usage for m in messages] == [{"i": 0}, None, None, {"i": 3}, None, None]
+        assert [m.unanswered for m in messages] == [False] * 5 + [True]
+        assert all(m.created_at.tzinfo is UTC for m in messages) and session.updated_at == messages[-1].created_at
+        # Appends from both at once still take positions in turn.
+        await asyncio.gather(*(r.append_message(sess("x"), "user", "c", [1]) for r in (fast, orm) * 4))
+        assert [m.index for m in await orm.get_messages(sess("x"))] == list(range(14))
+        with pytest.raises(NotFound):
+            await fast.get_conversation(sess("nope"))
+        assert await fast.get_session(sess("nope")) is None
+    finally:
+        await fast.close()
+        await orm.close()
+        await engine.dispose()

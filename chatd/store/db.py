@@ -46,22 +46,35 @@ def _sqlite_file(url: URL) -> Path | None:
     return Path(database)
 
 
+def sqlite_file(url: str | URL) -> Path | None:
+    """The database file of a SQLite URL; None for another backend, an in-memory or a ``file:`` URI one."""
+    parsed = make_url(url)
+    return _sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+
+
+def configure_sqlite_connection(dbapi_connection: Any) -> None:
+    """Set up a sqlite3 connection as every chatd connection to a SQLite file is (module docstring).
+
+    The sqlite3 module's own transaction handling is switched off (it would only BEGIN before DML,
+    leaving SELECTs and DDL outside the transaction): the caller issues BEGIN itself.
+    """
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        # Pragmas must run outside a transaction; journal_mode is persistent in the file,
+        # the others are per connection.
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    finally:
+        cursor.close()
+
+
 def _configure_sqlite(engine: AsyncEngine) -> None:
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Take transaction control away from the sqlite3 module (which would only BEGIN before
-        # DML, leaving SELECTs and DDL outside the transaction); _on_begin emits BEGIN instead.
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        try:
-            # Pragmas must run outside a transaction; journal_mode is persistent in the file,
-            # the others are per connection.
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.execute("PRAGMA synchronous=FULL")
-            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        finally:
-            cursor.close()
+        configure_sqlite_connection(dbapi_connection)
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Connection) -> None:

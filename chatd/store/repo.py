@@ -20,6 +20,11 @@ at all, on its own. A caller cancelled after its append joined a running group d
 append may still be stored.
 
 Timestamps are timezone-aware UTC on the way in and out (SQLite drops the offset; reads restore it).
+
+On a SQLite file, a turn's own calls (reading a session or its conversation, appending a message) skip
+the ORM: :mod:`chatd.store.direct` runs each transaction in one hop to a thread with a plain sqlite3
+connection. They write and return the same as the ORM path would (``Repo(..., direct=False)`` keeps
+everything on the ORM, as on PostgreSQL).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
@@ -47,6 +52,8 @@ from chatd.domain import (
     is_session_id,
 )
 from chatd.errors import BadRequest, NotFound
+from chatd.store import direct as sql
+from chatd.store.db import sqlite_file
 from chatd.store.models import (
     MAX_TOKEN_ID,
     Base,
@@ -177,7 +184,9 @@ def _new_message(
 class _Grouped(Generic[_T]):
     """A write waiting for its group: what to run in the transaction, and where its caller waits."""
 
-    job: Callable[[AsyncSession], Awaitable[_T]]
+    job: Callable[[Any], Any]
+    """Given the transaction (an AsyncSession, or a sqlite3 connection on the direct path), does the write:
+    awaitable on the ORM, plain on the direct path."""
     done: asyncio.Future[_T]
 
     def succeed(self, result: _T) -> None:
@@ -200,7 +209,8 @@ def _session_filter(session_ids: Collection[str] | None) -> list[Any]:
 class Repo:
     """Async access to sessions, messages, edits and snapshot records.
 
-    ``clock`` returns the current time (aware); tests may pass a fake one.
+    ``clock`` returns the current time (aware); tests may pass a fake one. ``direct=False`` keeps a SQLite
+    file's turn calls on the ORM too (module docstring). :meth:`close` when done.
     """
 
     def __init__(
@@ -208,6 +218,7 @@ class Repo:
         sessionmaker: async_sessionmaker[AsyncSession],
         *,
         clock: Callable[[], datetime] = _utcnow,
+        direct: bool = True,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._clock = clock
@@ -216,6 +227,18 @@ class Repo:
         self._write_lock: asyncio.Lock | None = asyncio.Lock() if sqlite else None
         self._queued: list[_Grouped[Any]] = []  # appends waiting for the next group (SQLite)
         self._drainer: asyncio.Task[None] | None = None
+        path = sqlite_file(bind.url) if bind is not None and sqlite and direct else None
+        self._direct = None if path is None else sql.SqliteDirect(path)
+
+    @property
+    def direct(self) -> sql.SqliteDirect | None:
+        """The plain sqlite3 path a turn's calls take, or None when they use the ORM."""
+        return self._direct
+
+    async def close(self) -> None:
+        """Release the direct path's connection and thread (the ORM engine is the caller's to dispose)."""
+        if self._direct is not None:
+            await self._direct.close()
 
     @contextlib.asynccontextmanager
     async def _writing(self) -> AsyncIterator[AsyncSession]:
@@ -227,7 +250,7 @@ class Repo:
         async with self._write_lock, self._sessionmaker.begin() as db:
             yield db
 
-    async def _in_group(self, job: Callable[[AsyncSession], Awaitable[_T]]) -> _T:
+    async def _in_group(self, job: Callable[[Any], Any]) -> Any:
         """Run ``job`` in a write transaction: on SQLite in the next group (module docstring), else in one
         of its own. Returns what it returned, once its transaction committed."""
         if self._write_lock is None:
@@ -251,12 +274,19 @@ class Repo:
         finally:
             self._drainer = None
 
-    async def _commit_group(self, group: list[_Grouped[Any]]) -> None:
+    async def _transaction(self, jobs: Sequence[Callable[[Any], Any]]) -> list[Any]:
+        """Run grouped jobs in one write transaction, on the path they were made for."""
+        if self._direct is not None:
+            return await self._direct.write(jobs)
         results: list[Any] = []
+        async with self._sessionmaker.begin() as db:
+            for job in jobs:
+                results.append(await job(db))
+        return results
+
+    async def _commit_group(self, group: list[_Grouped[Any]]) -> None:
         try:
-            async with self._sessionmaker.begin() as db:
-                for entry in group:
-                    results.append(await entry.job(db))
+            results = await self._transaction([entry.job for entry in group])
         except BaseException as exc:
             if len(group) == 1 or not isinstance(exc, Exception):
                 for entry in group:
@@ -267,8 +297,7 @@ class Repo:
             # Each again on its own, so only the one that fails fails.
             for entry in group:
                 try:
-                    async with self._sessionmaker.begin() as db:
-                        result = await entry.job(db)
+                    (result,) = await self._transaction([entry.job])
                 except Exception as error:
                     entry.fail(error)
                 else:
@@ -308,6 +337,8 @@ class Repo:
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
         """The session, or None when there is none with that id."""
+        if self._direct is not None:
+            return await self._direct.read(lambda conn: sql.read_session(conn, session_id))
         async with self._sessionmaker.begin() as db:
             row = await db.get(SessionRow, session_id)
             return None if row is None else _record(SessionRecord, row)
@@ -370,6 +401,9 @@ class Repo:
 
     async def get_messages(self, session_id: str) -> list[MessageRecord]:
         """The active conversation, ordered by index (0..message_count-1). NotFound."""
+        if self._direct is not None:
+            _, messages = await self.get_conversation(session_id)
+            return messages
         async with self._sessionmaker.begin() as db:
             rows = await db.scalars(
                 select(MessageRow)
@@ -383,6 +417,15 @@ class Repo:
 
     async def get_conversation(self, session_id: str) -> tuple[SessionRecord, list[MessageRecord]]:
         """The session and its active conversation (as :meth:`get_messages`), read together. NotFound."""
+        if self._direct is not None:
+            def read(conn: Any) -> tuple[SessionRecord | None, list[dict[str, Any]]]:
+                session = sql.read_session(conn, session_id)
+                return session, [] if session is None else sql.read_messages(conn, session_id)
+
+            found, fields = await self._direct.read(read)
+            if found is None:
+                raise NotFound("session not found")
+            return found, [MessageRecord(**message) for message in fields]
         async with self._sessionmaker.begin() as db:
             session = await db.get(SessionRow, session_id)
             if session is None:
@@ -422,6 +465,12 @@ class Repo:
             raise BadRequest(f"finish_reason must be one of {', '.join(FINISH_REASONS)}")
         ids = _token_ids(token_ids)
         now = self._now()
+        if self._direct is not None:
+            def append(conn: Any) -> MessageRecord:
+                return MessageRecord(**sql.append(conn, session_id, role, content, ids, now, finish_reason, usage,
+                                                  unanswered, answers, title))
+
+            return await self._in_group(append)
 
         async def job(db: AsyncSession) -> MessageRecord:
             # Counting first reserves the index under the session's lock (module docstring).
