@@ -451,3 +451,51 @@ def test_the_packaged_model_runs_its_q4_blocks_on_the_tile_kernel(real_runner: M
     for layer in forward.weights.layers:
         assert all(isinstance(p, TileQ4Linear) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert isinstance(forward.weights.lm_head, TileQ8Linear)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_a_whole_step_in_one_native_call_equals_the_loop_over_layers(real_runner: ModelRunner, tile_kind: str,
+                                                                    kv_dtype: torch.dtype) -> None:
+    """With every projection on the tile kernel, a step whose runs all attend natively (decode tokens, short
+    prompt chunks) runs as one native call (chatd/engine/step.c). It calls the same kernels in the same order,
+    so its logits and the K/V it writes equal the Python loop's bit for bit; a longer chunk keeps the loop."""
+    kernels = real_runner.forward.kernels if real_runner.forward is not None else None
+    assert kernels is not None
+    forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
+    forward.kernels = kernels
+    info = dataclasses.replace(real_runner.info, dtype=kv_dtype)
+    texts = ("The capital of France is", "Water boils at", "One, two, three, four,", "Dear diary, today", "Hi")
+    prompts = [real_runner.tokenizer(text * n).input_ids for n, text in enumerate(texts, start=1)]
+    long_prompt = real_runner.tokenizer("A long story begins here. " * 12).input_ids
+    assert len(long_prompt) > NATIVE_ATTENTION_MAX_RUN >= max(map(len, prompts))
+
+    def run(native: bool) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+        runner = ModelRunner(real_runner.model, real_runner.tokenizer, info, forward)
+        runner.configure_pool(64 << 20)
+        forward.use_native_step, before = native, forward.native_steps
+        caches = [runner.new_cache() for _ in range(len(prompts) + 1)]
+        try:
+            out = [runner.step(caches[:-1], prompts)]  # five short chunks packed: one native step
+            out.append(runner.step(caches[-1:], [long_prompt]))  # too long for the native attention: the loop
+            tokens = [*out[0].argmax(-1).tolist(), int(out[1].argmax(-1)[0])]
+            for width in (len(caches), 1, len(caches), 4):  # decode steps of several sessions, and of one
+                logits = runner.decode(caches[:width], tokens[:width])
+                out.append(logits)
+                tokens[:width] = logits.argmax(-1).tolist()
+            ids = [torch.tensor(c.block_ids) for c in caches]
+            pool = runner.pool.tensors.kv
+            written = torch.cat([pool[:, :, :, i].flatten(3) for i in ids], dim=3)
+            return out, written, forward.native_steps - before
+        finally:
+            forward.use_native_step = True
+            for cache in caches:
+                cache.free()
+
+    native, written_native, native_steps = run(True)
+    loop, written_loop, loop_steps = run(False)
+    assert loop_steps == 0
+    wide = TILE_MIN_ROWS[tile_kind]  # fewer rows than the tile kernel takes (AMX: 4) keep the loop
+    assert native_steps == 1 + sum(width >= wide for width in (6, 1, 6, 4))
+    for a, b in zip(native, loop, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(written_native, written_loop)

@@ -485,3 +485,27 @@ void chatd_silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
         }
     }
 }
+
+/* bf16 -> fp32 (exact) and fp32 -> bf16 (rounded as torch rounds) for n contiguous values: the conversions a
+ * forward step makes between kernels (chatd/engine/step.c). */
+void chatd_widen_bf16(const uint16_t *x, float *out, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, load_bf16x16(x + i));
+#endif
+    for (; i < n; i++)
+        out[i] = from_bf16(x[i]);
+}
+
+void chatd_round_bf16(const float *x, uint16_t *out, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), bf16x16(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++)
+        out[i] = to_bf16(x[i]);
+}

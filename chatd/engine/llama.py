@@ -22,9 +22,9 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 
-from chatd.engine.kvcache import SessionKV, appending, attend
-from chatd.engine.native import EngineKernels
-from chatd.engine.quant import GGUFWeights
+from chatd.engine.kvcache import KVPool, SessionKV, appending, attend
+from chatd.engine.native import EngineKernels, StepPlan
+from chatd.engine.quant import GGUFWeights, TileQ4Linear, TileQ8Linear
 
 # Model types whose forward this module has been checked to reproduce (tests/test_llama_forward.py);
 # anything else keeps transformers' forward. Mistral and Qwen2 share the arithmetic but wait for a test
@@ -291,6 +291,17 @@ class LlamaForward:
         # fp32 K/V): RoPE with the K/V write for every row, and the attention of single-token runs. None:
         # torch's ops alone.
         self.kernels: EngineKernels | None = None
+        # With every projection on the tile kernel (the q4 model where AMX or AVX512-VNNI runs), a step whose runs
+        # all attend natively runs as one native call (EngineKernels.forward_step), planned once per pool.
+        tiled = [p for layer in weights.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self._tiled: list[TileQ4Linear] = ([cast(TileQ4Linear, p) for p in tiled]
+                                           if all(isinstance(p, TileQ4Linear) for p in tiled)
+                                           and isinstance(weights.lm_head, TileQ8Linear) else [])
+        self._plan: StepPlan | None = None
+        self.use_native_step = True
+        """False keeps every step on the Python loop over layers (tests compare the two)."""
+        self.native_steps = 0
+        """Steps run as one native call (EngineKernels.forward_step)."""
 
     # ------------------------------------------------------------------ pieces
 
@@ -319,6 +330,29 @@ class LlamaForward:
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         # h: [M, hidden] (the positions whose logits are wanted) -> [M, vocab] fp32
         return self.weights.lm_head(_rms_norm(h, self.weights.norm, self.shape.rms_norm_eps)).float()
+
+    def _step_plan(self, pool: KVPool, rows: int, num_last: int) -> StepPlan | None:
+        """The plan for running this step as one native call, or None where it cannot: no kernels or no tile
+        kernel, weights packed for another kind, or fewer rows than the tile kernel takes (AMX: 4)."""
+        kernels = self.kernels
+        if kernels is None or not self._tiled or not self.use_native_step:
+            return None
+        head = cast(TileQ8Linear, self.weights.lm_head)
+        kind = kernels.tile_matmul_kind
+        if (kind is None or head.kind != kind or any(p.kind != kind for p in self._tiled)
+                or rows < self._tiled[0].min_rows or num_last < head.min_rows):
+            return None
+        if self._plan is None or self._plan.kv is not pool.tensors.kv:
+            s = self.shape
+            layers = [{"attn_norm": layer.attn_norm, "ffn_norm": layer.ffn_norm,
+                       **{name: cast(TileQ4Linear, getattr(layer, name)).tiles
+                          for name in ("qkv", "o", "gate_up", "down")}}
+                      for layer in self.weights.layers]
+            self._plan = StepPlan(num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                                  inter=self.weights.layers[0].gate_up.out_features // 2, eps=s.rms_norm_eps,
+                                  scale=self.scale, layers=layers, final_norm=self.weights.norm,
+                                  lm_head=head.tiles, vocab=s.vocab_size, kv=pool.tensors.kv)
+        return self._plan
 
     # ------------------------------------------------------------------ entry points
 
@@ -364,6 +398,12 @@ class LlamaForward:
                     raise IndexError(f"a position past the model's {self.cos.shape[0]} RoPE positions")
                 positions = positions.to(device=self.device, dtype=torch.int64).contiguous()
                 slots = step.slots.to(torch.int64).contiguous()
+                plan = self._step_plan(pool, rows_total, len(runs)) if not others else None
+                if plan is not None:  # the whole step in one native call: the loop below, in C
+                    self.native_steps += 1
+                    last = torch.tensor(bounds[1:], dtype=torch.int32) - 1
+                    return kernels.forward_step(plan, h.contiguous(), positions, self.cos, self.sin, slots, tables,
+                                                visible, last).float()
             s = self.shape
             # With the kernels and bf16 projections (q4, or dense bf16), everything between two projections
             # runs natively and the projections take and give bf16 (no conversions around them): the

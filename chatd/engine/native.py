@@ -1,6 +1,7 @@
 """The engine's native CPU kernels: RoPE with the K/V write into the paged pool, decode attention over
-it and the element-wise steps between a layer's projections (``decode_attention.c``), and the Q4_1 and
-Q8_0 matmuls on AMX tiles or AVX512-VNNI vectors (``tile_matmul.c``).
+it and the element-wise steps between a layer's projections (``decode_attention.c``), the Q4_1 and
+Q8_0 matmuls on AMX tiles or AVX512-VNNI vectors (``tile_matmul.c``), and a whole forward step of the q4
+model made of those in one call (``step.c``).
 
 They are compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for this very CPU
 (``-march=native``), cached under ``<data_dir>/native`` by a hash of the source, the flags, the compiler
@@ -29,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("decode_attention.c"), Path(__file__).with_name("tile_matmul.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "tile_matmul.c", "step.c"))
 # -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
@@ -121,6 +122,9 @@ class EngineKernels:
         self._select_tile_matmul.argtypes = [i32]
         self._select_tile_matmul.restype = i32
         self.tile_matmul_kind: str | None = _TILE_KINDS[lib.chatd_q4_matmul_kind()]
+        self._forward_step = lib.chatd_forward_step
+        self._forward_step.argtypes = [p, p, p, p, p, i32, p, p, p, p, p, i64, p, p, i32, p, i32]
+        self._forward_step.restype = i32
         self._limits = lib.chatd_decode_attention_limits
         self._limits.argtypes = [i32, i32, i32]
         self._limits.restype = i32
@@ -186,10 +190,8 @@ class EngineKernels:
         the kernel in effect (:func:`chatd.engine.quant.pack_for` with :attr:`tile_matmul_kind`), as a new bf16
         ``[M, n]``. Only where :attr:`tile_matmul_kind` is set."""
         m, k = x.shape
-        size = n * k * 17 // 16 if q8 else n * k * 5 // 8  # 544 or 320 bytes per 512 weights
         if not (self.tile_matmul_kind and x.dtype == torch.bfloat16 and x.is_contiguous()
-                and tiles.dtype == torch.uint8 and tiles.is_contiguous() and n % 16 == 0 and k % 32 == 0
-                and tiles.numel() == size):
+                and tiles.dtype == torch.uint8 and tiles.is_contiguous() and tiles.numel() == tile_bytes(n, k, q8=q8)):
             raise ValueError("tile_matmul: unexpected dtypes or layouts, or no AMX / AVX512-VNNI here")
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
@@ -220,6 +222,95 @@ class EngineKernels:
                                values.data_ptr(), num_blocks * block_size * head_dim, tables.data_ptr(),
                                tables.shape[1], lengths.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim,
                                block_size, scale, torch.get_num_threads(), int(keys.dtype == torch.bfloat16))
+
+
+    def forward_step(self, plan: StepPlan, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                     last: torch.Tensor) -> torch.Tensor:
+        """A whole forward step of ``plan``'s model (``step.c``): every layer over the rows of ``h`` (fp32
+        ``[rows, hidden]`` embeddings, contiguous; left holding the last layer's residual stream), K/V written
+        at ``slots`` and attended over ``tables`` / ``lengths`` (each row's block table and visible positions, as
+        :meth:`decode_attention` takes them, for rows in order), then the LM head over rows ``last`` (int32):
+        their logits, bf16 ``[len(last), vocab]``. ``positions`` and ``slots`` int64 ``[rows]``; ``cos`` / ``sin``
+        the RoPE tables, positions already checked against them."""
+        rows = h.shape[0]
+        if not (h.dtype == torch.float32 and h.is_contiguous() and h.shape[1] == plan.shape.hidden
+                and positions.dtype == slots.dtype == torch.int64 and positions.shape == slots.shape == (rows,)
+                and tables.dtype == lengths.dtype == last.dtype == torch.int32 and tables.is_contiguous()
+                and tables.shape[0] == lengths.shape[0] == rows and last.is_contiguous()
+                and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+                and cos.shape[1] == plan.shape.head_dim):
+            raise ValueError("forward_step: unexpected dtypes or layouts")
+        logits = torch.empty(last.shape[0], plan.shape.vocab, dtype=torch.bfloat16)
+        status = self._forward_step(ctypes.byref(plan.shape), plan.layers, plan.final_norm.data_ptr(),
+                                    plan.lm_head.data_ptr(), h.data_ptr(), rows, positions.data_ptr(), cos.data_ptr(),
+                                    sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                    lengths.data_ptr(), last.data_ptr(), last.shape[0], logits.data_ptr(),
+                                    torch.get_num_threads())
+        if status == -2:
+            raise MemoryError("forward_step: no memory for the step's buffers")
+        if status:
+            raise RuntimeError("forward_step: this build has no tile kernel")
+        return logits
+
+
+def tile_bytes(n: int, k: int, *, q8: bool) -> int:
+    """The size of an ``[n, k]`` weight packed for the tile kernel (either kind); -1 where n is not a multiple of
+    16 or k of 32 (no packing)."""
+    if n % 16 or k % 32:
+        return -1
+    return n * k * 17 // 16 if q8 else n * k * 5 // 8  # 544 or 320 bytes per 512 weights
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down", "keys", "values")]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                                    "inter", "vocab", "block_size", "kv_bf16")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("head_stride", ctypes.c_int64)]
+
+
+class StepPlan:
+    """What :meth:`EngineKernels.forward_step` reads of a model and its KV pool: sizes, and the addresses of
+    every layer's norms, packed projections and pool slices, with the tensors kept alive here. Valid while
+    those tensors are: make a new one for a new pool."""
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, inter: int, eps: float, scale: float,
+                 layers: list[dict[str, torch.Tensor]], final_norm: torch.Tensor, lm_head: torch.Tensor,
+                 vocab: int, kv: torch.Tensor) -> None:
+        """``layers``: per layer ``attn_norm``, ``ffn_norm`` (fp32 ``[hidden]``) and ``qkv``, ``o``, ``gate_up``,
+        ``down`` (Q4_1 tiles); ``lm_head`` Q8_0 tiles; ``kv``: the pool,
+        ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]`` contiguous fp32 or bf16."""
+        num_layers, _, kv_heads, num_blocks, block_size, kv_dim = kv.shape
+        hidden = final_norm.shape[0]
+        if not (kv.is_contiguous() and kv.dtype in _KV_DTYPES and kv_heads == num_kv_heads and kv_dim == head_dim
+                and num_layers == len(layers) and final_norm.dtype == torch.float32 and final_norm.is_contiguous()):
+            raise ValueError("StepPlan: unexpected pool or weights")
+        self.shape = _Shape(num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, block_size,
+                            int(kv.dtype == torch.bfloat16), eps, scale, num_blocks * block_size * head_dim)
+        self.kv, self.final_norm, self.lm_head = kv, final_norm, lm_head
+        self.tensors = [dict(layer) for layer in layers]
+        for layer in self.tensors:
+            for name in ("attn_norm", "ffn_norm"):
+                if not (layer[name].dtype == torch.float32 and layer[name].is_contiguous()
+                        and layer[name].shape == (hidden,)):
+                    raise ValueError(f"StepPlan: {name} must be fp32 [hidden], contiguous")
+            q_n, qkv_n = num_heads * head_dim, (num_heads + 2 * num_kv_heads) * head_dim
+            for name, n, k in (("qkv", qkv_n, hidden), ("o", hidden, q_n), ("gate_up", 2 * inter, hidden),
+                               ("down", hidden, inter)):
+                if not (layer[name].dtype == torch.uint8 and layer[name].is_contiguous()
+                        and layer[name].numel() == tile_bytes(n, k, q8=False)):
+                    raise ValueError(f"StepPlan: {name} must be Q4_1 tiles of [{n}, {k}]")
+        if not (lm_head.dtype == torch.uint8 and lm_head.is_contiguous()
+                and lm_head.numel() == tile_bytes(vocab, hidden, q8=True)):
+            raise ValueError(f"StepPlan: the LM head must be Q8_0 tiles of [{vocab}, {hidden}]")
+        self.layers = (_Layer * num_layers)(*(
+            _Layer(*(layer[name].data_ptr() for name in ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down")),
+                   kv[index, 0].data_ptr(), kv[index, 1].data_ptr())
+            for index, layer in enumerate(self.tensors)))
 
 
 _loaded: dict[Path, EngineKernels | None] = {}
