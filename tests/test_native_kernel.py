@@ -482,9 +482,9 @@ def test_a_whole_step_in_one_native_call_equals_the_loop_over_layers(real_runner
                 logits = runner.decode(caches[:width], tokens[:width])
                 out.append(logits)
                 tokens[:width] = logits.argmax(-1).tolist()
-            ids = [torch.tensor(c.block_ids) for c in caches]
-            pool = runner.pool.tensors.kv
-            written = torch.cat([pool[:, :, :, i].flatten(3) for i in ids], dim=3)
+            pool = runner.pool.tensors.kv  # [layers, 2, kv_heads, blocks, block_size, head_dim]
+            written = torch.cat([pool[:, :, :, torch.tensor(c.block_ids)].flatten(3, 4)[:, :, :, :c.length]
+                                 for c in caches], dim=3)  # each cache's positions (not a block's unused slots)
             return out, written, forward.native_steps - before
         finally:
             forward.use_native_step = True
