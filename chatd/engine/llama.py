@@ -15,6 +15,7 @@ the projections). Both append the new positions' K/V to the caches and return lo
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -292,12 +293,13 @@ class LlamaForward:
         # torch's ops alone.
         self.kernels: EngineKernels | None = None
         # With every projection on the tile kernel (the q4 model where AMX or AVX512-VNNI runs), a step whose runs
-        # all attend natively runs as one native call (EngineKernels.forward_step), planned once per pool.
+        # all attend natively runs as one native call (EngineKernels.forward_step), planned once per pool (a
+        # forward may serve several runners' pools; a pool's plan goes with the pool).
         tiled = [p for layer in weights.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self._tiled: list[TileQ4Linear] = ([cast(TileQ4Linear, p) for p in tiled]
                                            if all(isinstance(p, TileQ4Linear) for p in tiled)
                                            and isinstance(weights.lm_head, TileQ8Linear) else [])
-        self._plan: StepPlan | None = None
+        self._plans: weakref.WeakKeyDictionary[KVPool, StepPlan] = weakref.WeakKeyDictionary()
         self.use_native_step = True
         """False keeps every step on the Python loop over layers (tests compare the two)."""
         self.native_steps = 0
@@ -342,17 +344,19 @@ class LlamaForward:
         if (kind is None or head.kind != kind or any(p.kind != kind for p in self._tiled)
                 or rows < self._tiled[0].min_rows or num_last < head.min_rows):
             return None
-        if self._plan is None or self._plan.kv is not pool.tensors.kv:
+        plan = self._plans.get(pool)
+        if plan is None or plan.kv is not pool.tensors.kv:
             s = self.shape
             layers = [{"attn_norm": layer.attn_norm, "ffn_norm": layer.ffn_norm,
                        **{name: cast(TileQ4Linear, getattr(layer, name)).tiles
                           for name in ("qkv", "o", "gate_up", "down")}}
                       for layer in self.weights.layers]
-            self._plan = StepPlan(num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                                  inter=self.weights.layers[0].gate_up.out_features // 2, eps=s.rms_norm_eps,
-                                  scale=self.scale, layers=layers, final_norm=self.weights.norm,
-                                  lm_head=head.tiles, vocab=s.vocab_size, kv=pool.tensors.kv)
-        return self._plan
+            plan = StepPlan(num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                            inter=self.weights.layers[0].gate_up.out_features // 2, eps=s.rms_norm_eps,
+                            scale=self.scale, layers=layers, final_norm=self.weights.norm, lm_head=head.tiles,
+                            vocab=s.vocab_size, kv=pool.tensors.kv)
+            self._plans[pool] = plan
+        return plan
 
     # ------------------------------------------------------------------ entry points
 
