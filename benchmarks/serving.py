@@ -227,10 +227,11 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
         "concurrency", "Concurrent clients: aggregate throughput and time to first token",
         f"N websocket clients, each on its own connection and a new session, send one message at the same "
         f"moment (greedy, max_tokens {bench.plan.concurrency_tokens}), every message of the run a different one "
-        f"(only the chat template's opening is ever cached); rounds repeat until a level has at "
-        f"least {bench.plan.concurrency_min_samples} samples. Aggregate tokens/s = output tokens of a round / "
-        "its wall time; aggregate decode tokens/s = the tokens after each client's first, over the span from the "
-        "round's first first token to its last reply's end (the decode phase, without the prompts' prefill); "
+        f"(only the chat template's opening is ever cached). The levels take turns, one round each, until every "
+        f"level has at least {bench.plan.concurrency_min_samples} samples, so a slow spell of the machine falls "
+        "on all of them; a level's rates are the medians of its rounds. Aggregate tokens/s = output tokens of a "
+        "round / its wall time; aggregate decode tokens/s = the tokens after each client's first, over the span "
+        "from the round's first first token to its last reply's end (the decode phase, without the prompts' prefill); "
         "TTFT is measured by each client from sending to its first token frame; server TTFT is the reply's "
         "usage.ttft_ms (from the server taking the message to its first token), so the difference is the "
         "time the frames spend between the processes, the clients' own work included. Mean batch = "
@@ -245,44 +246,51 @@ async def _concurrency(bench: Bench, server: ServerProcess) -> Figure:
             Column("server_ttft_p99_ms", "server TTFT p99 ms", "{:.0f}"),
             Column("mean_batch", "mean batch", "{:.1f}"),
         ])
+    levels = bench.plan.concurrency
+    cycles = max(-(-bench.plan.concurrency_min_samples // level) for level in levels)
+    bench.log(f"  levels {', '.join(map(str, levels))} clients, taking turns, {cycles} rounds each")
+    clients = {level: [await ChatClient.connect(server.ws_url, request_timeout=600) for _ in range(level)]
+               for level in levels}
+    seen: dict[int, dict[str, list[float]]] = {
+        level: {key: [] for key in ("ttft", "server_ttft", "aggregate", "decode", "per_client", "decoded", "steps")}
+        for level in levels}
     requests = 0
-    for level in bench.plan.concurrency:
-        rounds = max(1, -(-bench.plan.concurrency_min_samples // level))
-        bench.log(f"  {level} clients x {rounds} rounds")
-        clients = [await ChatClient.connect(server.ws_url, request_timeout=600) for _ in range(level)]
-        ttfts: list[float] = []
-        server_ttfts: list[float] = []
-        aggregate: list[float] = []
-        decode: list[float] = []
-        per_client: list[float] = []
-        before = await _admin_engine(server)
-        try:
-            for _ in range(rounds):
-                sessions = [(await c.create_session()).session_id for c in clients]
+    try:
+        for _ in range(cycles):
+            for level in levels:
+                got = seen[level]
+                before = await _admin_engine(server)
+                sessions = [(await c.create_session()).session_id for c in clients[level]]
                 started = time.perf_counter()
                 results = await asyncio.gather(*(
                     _stream(c, s, fresh_prompt(requests + i), bench.plan.concurrency_tokens)
-                    for i, (c, s) in enumerate(zip(clients, sessions, strict=True))))
+                    for i, (c, s) in enumerate(zip(clients[level], sessions, strict=True))))
                 requests += level
                 wall = time.perf_counter() - started
-                ttfts.extend(1000 * r["ttft_s"] for r in results)
-                server_ttfts.extend(r["server_ttft_ms"] for r in results)
-                aggregate.append(ratio(sum(r["output_tokens"] for r in results), wall))
+                after = await _admin_engine(server)
+                got["ttft"].extend(1000 * r["ttft_s"] for r in results)
+                got["server_ttft"].extend(r["server_ttft_ms"] for r in results)
+                got["aggregate"].append(ratio(sum(r["output_tokens"] for r in results), wall))
                 span = max(r["done_at"] for r in results) - min(r["first_at"] for r in results)
-                decode.append(ratio(sum(max(0, r["output_tokens"] - 1) for r in results), span))
-                per_client.extend(r["client_decode_tps"] for r in results)
-        finally:
-            for c in clients:
+                got["decode"].append(ratio(sum(max(0, r["output_tokens"] - 1) for r in results), span))
+                got["per_client"].extend(r["client_decode_tps"] for r in results)
+                got["decoded"].append(after["decoded_tokens"] - before["decoded_tokens"])
+                got["steps"].append(after["decode_steps"] - before["decode_steps"])
+    finally:
+        for level_clients in clients.values():
+            for c in level_clients:
                 await c.close()
-        after = await _admin_engine(server)
-        steps = after["decode_steps"] - before["decode_steps"]
+    for level in levels:
+        got = seen[level]
+        steps = sum(got["steps"])
         fig.rows.append({
-            "clients": level, "samples": len(ttfts), "rounds": rounds, "aggregate_tps": median(aggregate),
-            "decode_tps": median(decode),
-            "per_client_tps": median(per_client), "ttft_p50_ms": percentile(ttfts, 50),
-            "ttft_p99_ms": percentile(ttfts, 99), "ttft_max_ms": max(ttfts),
-            "server_ttft_p50_ms": percentile(server_ttfts, 50), "server_ttft_p99_ms": percentile(server_ttfts, 99),
-            "mean_batch": ratio(after["decoded_tokens"] - before["decoded_tokens"], steps) if steps else 0.0,
+            "clients": level, "samples": len(got["ttft"]), "rounds": cycles, "aggregate_tps": median(got["aggregate"]),
+            "decode_tps": median(got["decode"]),
+            "per_client_tps": median(got["per_client"]), "ttft_p50_ms": percentile(got["ttft"], 50),
+            "ttft_p99_ms": percentile(got["ttft"], 99), "ttft_max_ms": max(got["ttft"]),
+            "server_ttft_p50_ms": percentile(got["server_ttft"], 50),
+            "server_ttft_p99_ms": percentile(got["server_ttft"], 99),
+            "mean_batch": ratio(sum(got["decoded"]), steps) if steps else 0.0,
         })
     base = fig.rows[0]["aggregate_tps"]
     decode_base = fig.rows[0]["decode_tps"]
