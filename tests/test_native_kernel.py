@@ -1,8 +1,9 @@
-"""The native kernels (chatd/engine/decode_attention.c, tile_matmul.c): built once per machine and cached;
+"""The native kernels (chatd/engine/decode_attention.c, tile_matmul.c, step.c): built once per machine and cached;
 decode attention equal to torch's over the same block tables, and used by the compact forward's decode
 steps with the same greedy tokens as without it; the element-wise steps equal to torch's; the Q4_1 and
 Q8_0 tile matmuls (AMX tiles and AVX512-VNNI vectors, each where the CPU has it) equal to their references:
-the bf16 dequantised weights (AMX), the exact weights times x rounded to int8 per block (VNNI)."""
+the bf16 dequantised weights (AMX), the exact weights times x rounded to int8 per block (VNNI); a whole q4
+step in one native call equal to the loop over layers, bit for bit."""
 
 from __future__ import annotations
 

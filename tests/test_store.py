@@ -18,6 +18,7 @@ import os
 import pwd
 import shutil
 import socket
+import sqlite3
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -536,8 +537,6 @@ async def _one_history(repo: Repo) -> list[Any]:
 
 
 def _rows(path: Path) -> dict[str, list[tuple[Any, ...]]]:
-    import sqlite3
-
     with contextlib.closing(sqlite3.connect(path)) as conn:
         return {table: conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
                 for table in ("sessions", "messages", "edits")}

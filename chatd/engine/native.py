@@ -195,12 +195,8 @@ class EngineKernels:
             raise ValueError("tile_matmul: unexpected dtypes or layouts, or no AMX / AVX512-VNNI here")
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
-            status = self._tile_matmul(x.data_ptr(), m, k, tiles.data_ptr(), int(q8), n, out.data_ptr(),
-                                       torch.get_num_threads())
-            if status == -2:
-                raise MemoryError("tile_matmul: no memory for the kernel's scratch")
-            if status:
-                raise RuntimeError("tile_matmul: this build has no tile kernel")
+            _check_status("tile_matmul", self._tile_matmul(x.data_ptr(), m, k, tiles.data_ptr(), int(q8), n,
+                                                           out.data_ptr(), torch.get_num_threads()))
         return out
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
@@ -223,7 +219,6 @@ class EngineKernels:
                                tables.shape[1], lengths.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim,
                                block_size, scale, torch.get_num_threads(), int(keys.dtype == torch.bfloat16))
 
-
     def forward_step(self, plan: StepPlan, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
                      last: torch.Tensor) -> torch.Tensor:
@@ -242,16 +237,20 @@ class EngineKernels:
                 and cos.shape[1] == plan.shape.head_dim):
             raise ValueError("forward_step: unexpected dtypes or layouts")
         logits = torch.empty(last.shape[0], plan.shape.vocab, dtype=torch.bfloat16)
-        status = self._forward_step(ctypes.byref(plan.shape), plan.layers, plan.final_norm.data_ptr(),
-                                    plan.lm_head.data_ptr(), h.data_ptr(), rows, positions.data_ptr(), cos.data_ptr(),
-                                    sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                    lengths.data_ptr(), last.data_ptr(), last.shape[0], logits.data_ptr(),
-                                    torch.get_num_threads())
-        if status == -2:
-            raise MemoryError("forward_step: no memory for the step's buffers")
-        if status:
-            raise RuntimeError("forward_step: this build has no tile kernel")
+        _check_status("forward_step", self._forward_step(
+            ctypes.byref(plan.shape), plan.layers, plan.final_norm.data_ptr(), plan.lm_head.data_ptr(), h.data_ptr(),
+            rows, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+            tables.shape[1], lengths.data_ptr(), last.data_ptr(), last.shape[0], logits.data_ptr(),
+            torch.get_num_threads()))
         return logits
+
+
+def _check_status(kernel: str, status: int) -> None:
+    """Raise for a tile kernel's (or a native step's) status: -2 no scratch memory, any other non-zero no kernel."""
+    if status == -2:
+        raise MemoryError(f"{kernel}: no memory for the kernel's scratch buffers")
+    if status:
+        raise RuntimeError(f"{kernel}: this build has no tile kernel")
 
 
 def tile_bytes(n: int, k: int, *, q8: bool) -> int:
