@@ -228,17 +228,21 @@ async def test_short_histories_are_recomputed_not_restored(make_settings: Settin
 
 async def test_idle_sessions_are_persisted_then_evicted(make_settings: SettingsFactory, tiny_dir: Path,
                                                         tiny_runner: ModelRunner) -> None:
-    settings = make_settings(tiny_dir, cache={"persist_idle_s": 0.2, "idle_evict_s": 0.6, "restore_min_tokens": 0})
+    settings = make_settings(tiny_dir, cache={"persist_idle_s": 20, "idle_evict_s": 60, "restore_min_tokens": 0})
     async with Chatd.open(settings, runner=tiny_runner, background=False) as core:
+        # The cache manager's clock is set by hand, so a slow host cannot move the moments the test looks at.
+        now = [1000.0]
+        core.kv.clock = lambda: now[0]
         sid = (await core.sessions.create()).session_id
         await turn(core, sid, "hello", 1)
+        now[0] += 19
         await core.kv.tick()
         assert core.kv.is_resident(sid) and await core.snapshots.record(sid) is None
-        await asyncio.sleep(0.3)
+        now[0] += 2
         await core.kv.tick()
         assert core.kv.is_resident(sid) and await core.snapshots.record(sid) is not None  # persisted, resident
         writes = core.counters.num_snapshot_writes
-        await asyncio.sleep(0.4)
+        now[0] += 40
         await core.kv.tick()
         assert not core.kv.is_resident(sid)
         assert core.counters.num_snapshot_writes == writes  # already on disk: eviction wrote nothing
