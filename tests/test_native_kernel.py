@@ -454,6 +454,7 @@ def test_the_packaged_model_runs_its_q4_blocks_on_the_tile_kernel(real_runner: M
     assert isinstance(forward.weights.lm_head, TileQ8Linear)
 
 
+@pytest.mark.parametrize("tile_kind", _TILE_KINDS)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
 def test_a_whole_step_in_one_native_call_equals_the_loop_over_layers(real_runner: ModelRunner, tile_kind: str,
                                                                     kv_dtype: torch.dtype) -> None:
@@ -462,6 +463,18 @@ def test_a_whole_step_in_one_native_call_equals_the_loop_over_layers(real_runner
     so its logits and the K/V it writes equal the Python loop's bit for bit; a longer chunk keeps the loop."""
     kernels = real_runner.forward.kernels if real_runner.forward is not None else None
     assert kernels is not None
+    # The kind is selected on the runner's own library (each loaded library keeps its own selection).
+    if kernels.select_tile_matmul(tile_kind) != tile_kind:
+        kernels.select_tile_matmul(None)
+        pytest.skip(f"this CPU has no {tile_kind} tile kernel")
+    try:
+        _whole_step_equals_the_loop(real_runner, kernels, tile_kind, kv_dtype)
+    finally:
+        kernels.select_tile_matmul(None)
+
+
+def _whole_step_equals_the_loop(real_runner: ModelRunner, kernels: EngineKernels, tile_kind: str,
+                                kv_dtype: torch.dtype) -> None:
     forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
     forward.kernels = kernels
     info = dataclasses.replace(real_runner.info, dtype=kv_dtype)
