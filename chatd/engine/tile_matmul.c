@@ -258,42 +258,54 @@ static inline __attribute__((always_inline)) void vnni_rows(const int8_t *xq, co
     const int blocks = k / 32, tile_bytes = q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     __m512 total[VECTOR_ROWS];
+#pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++)
         total[r] = _mm512_setzero_ps();
     for (int kb = 0; kb < blocks; kb++) {
         const uint8_t *tile = group + (int64_t)kb * tile_bytes;
         for (int line = 0; line < tile_bytes; line += 64)
             _mm_prefetch((const char *)tile + PREFETCH_AHEAD * tile_bytes + line, _MM_HINT_T0);
-        __m512i w[8];
         __m512 d, offset;
         if (q8) {
-            for (int v = 0; v < 8; v++)
-                w[v] = _mm512_loadu_si512((const void *)(tile + 64 * v));
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 512)));
             offset = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
         } else {
-            for (int v = 0; v < 4; v++) {
-                const __m512i bytes = _mm512_loadu_si512((const void *)(tile + 64 * v));
-                w[v] = _mm512_and_si512(bytes, low4);
-                w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-            }
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 256)));
             offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 288)));
         }
-        for (int r = 0; r < ROWS; r++) {
-            const int64_t row = row0 + r;
-            const int8_t *quads = xq + row * k + 32 * kb;
-            __m512i sum = _mm512_setzero_si512();
-            for (int v = 0; v < 8; v++) {
+        /* The rows' sums advance side by side (one dot product per row per quad row), so the out-of-order
+         * core always has ROWS independent chains in flight. Each quad row's weights are unpacked where they
+         * are used, so that with the loops unrolled the sums, the totals and the weights in use all stay in
+         * registers. */
+        __m512i sum[VECTOR_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++)
+            sum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; v++) {
+            __m512i w;
+            if (q8)
+                w = _mm512_loadu_si512((const void *)(tile + 64 * v));
+            else if (v < 4)
+                w = _mm512_and_si512(_mm512_loadu_si512((const void *)(tile + 64 * v)), low4);
+            else
+                w = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void *)(tile + 64 * (v - 4))), 4), low4);
+#pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
                 int32_t quad;
-                memcpy(&quad, quads + 4 * v, sizeof quad);
-                sum = _mm512_dpbusd_epi32(sum, w[v], _mm512_set1_epi32(quad));
+                memcpy(&quad, xq + (row0 + r) * (int64_t)k + 32 * kb + 4 * v, sizeof quad);
+                sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(quad));
             }
-            const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(dx[row * blocks + kb]));
-            total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, total[r]);
-            total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(dx_sum[row * blocks + kb]), total[r]);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) {
+            const int64_t at = (row0 + r) * (int64_t)blocks + kb;
+            const __m512 scaled = _mm512_mul_ps(d, _mm512_set1_ps(dx[at]));
+            total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), scaled, total[r]);
+            total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(dx_sum[at]), total[r]);
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++)
         _mm256_storeu_si256((__m256i *)(y + (int64_t)(row0 + r) * n + 16 * g), narrow_bf16(total[r]));
 }
