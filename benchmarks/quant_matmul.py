@@ -18,9 +18,10 @@ memory traffic counts as it does in a decode step; the LM head there is fp32 / q
 
 A third table is the engine's decode path, bf16 in and out, over the same 30 layers' projections (no
 LM head): the int4 kernel (``Int4Linear.bf16``), the native tile kernel (``TileQ4Linear``'s
-``tile_matmul``) on AMX tiles and on AVX512-VNNI vectors, each where the CPU has it, and the prepacked bf16
-twin (``PackedBf16Linear``). It sets ``chatd.engine.quant.TILE_MIN_ROWS``, and shows why a model with a tile
-kernel needs no dense twin of its layers.
+``tile_matmul``) on AMX tiles for every call and on AVX512-VNNI vectors, each where the CPU has it, the
+engine's choice (with AMX, calls of fewer than ``EngineKernels.amx_min_rows`` rows on the vectors: this
+table sets that threshold), and the prepacked bf16 twin (``PackedBf16Linear``), which shows why a model with
+a tile kernel needs no dense twin of its layers.
 
 Random Q4_1/Q8_0 weights (speed only). Each figure is the best of ``--repeat`` timed loops, the least
 disturbed by other load on a shared machine; still rough.
@@ -165,26 +166,32 @@ def decode_pass(repeat: int) -> None:
             elif kernels is not None:
                 kernels.tile_matmul(x, *tiles[kind][index])
 
-    def timed(kind: str, inputs: dict[int, torch.Tensor]) -> float | None:
+    def timed(column: str, inputs: dict[int, torch.Tensor]) -> float | None:
+        # "amx": AMX for every call; "engine": the best kind with its default threshold
+        kind = (kinds[0] if kinds else "") if column == "engine" else column
         if (kind == "twin" and twin[0] is None) or kind not in ("int4", "twin", *kinds):
             return None
         if kernels is not None and kind in kinds:
             kernels.select_tile_matmul(kind)
+        default_rows = kernels.amx_min_rows if kernels is not None else 0
+        if kernels is not None and column == "amx":
+            kernels.amx_min_rows = 1
         try:
             return best_ms(partial(run, kind, inputs), repeat, budget_s=0.0)
         finally:
             if kernels is not None:
                 kernels.select_tile_matmul(None)
+                kernels.amx_min_rows = default_rows
 
     print()
     print(f"Decode path: {LAYERS} layers x (q|k|v, o, gate|up, down), bf16 in and out, distinct weights per layer"
           + ("" if kinds else " (no tile kernel here: those columns are empty)"))
     print()
-    print("| M | int4 ms | AMX tiles ms | AVX512-VNNI tiles ms | bf16 twin ms |")
-    print("| --- | --- | --- | --- | --- |")
-    for m in (1, 2, 4, 8, 16, 32, 64, 128):
+    print("| M | int4 ms | AMX tiles ms | AVX512-VNNI tiles ms | engine's tile kernel ms | bf16 twin ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for m in (1, 2, 4, 8, 12, 16, 32, 64, 128):
         inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (576, 1536)}
-        cells = [timed(kind, inputs) for kind in ("int4", "amx", "avx512-vnni", "twin")]
+        cells = [timed(column, inputs) for column in ("int4", "amx", "avx512-vnni", "engine", "twin")]
         print(f"| {m} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |", flush=True)
 
 

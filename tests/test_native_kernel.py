@@ -20,7 +20,7 @@ from chatd.engine.kvcache import KVPool, attend
 from chatd.engine.llama import NATIVE_ATTENTION_MAX_RUN
 from chatd.engine.native import EngineKernels, build, load_kernels
 from chatd.engine.quant import (
-    TILE_MIN_ROWS,
+    TILE_KINDS,
     Q4_1Weight,
     Q8_0Weight,
     TileQ4Linear,
@@ -306,10 +306,7 @@ def _q4_weight(n: int, k: int, seed: int) -> Q4_1Weight:
                       quants=torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8))
 
 
-_TILE_KINDS = ["amx", "avx512-vnni"]
-
-
-@pytest.fixture(params=_TILE_KINDS)
+@pytest.fixture(params=TILE_KINDS)
 def tile_kind(request: pytest.FixtureRequest, kernel: EngineKernels) -> Iterator[str]:
     """Each tile kernel this CPU has, selected for the test and the best one restored after it."""
     kind: str = request.param
@@ -336,18 +333,41 @@ def _tile_reference(kind: str, x: torch.Tensor, weight: Q4_1Weight | Q8_0Weight)
     return rounded.reshape(m, k).double() @ weight.dequantize().double().T
 
 
-def test_the_q4_tile_matmul_equals_its_reference(kernel: EngineKernels, tile_kind: str) -> None:
+def _layout_shape(kind: str, n: int, k: int, tile_bytes: int) -> tuple[int, ...]:
+    """Under AMX a weight is packed twice: the AMX tiles, then the vector kernel's (for calls of few rows)."""
+    return (2, n // 16, k // 32, tile_bytes) if kind == "amx" else (n // 16, k // 32, tile_bytes)
+
+
+def _kind_for(kernel: EngineKernels, kind: str, m: int) -> str:
+    """The kernel a call of ``m`` rows runs under ``kind``: with AMX, the vectors below ``amx_min_rows``."""
+    return "avx512-vnni" if kind == "amx" and m < kernel.amx_min_rows else kind
+
+
+@pytest.fixture(params=["default", "every call"])
+def amx_rows(request: pytest.FixtureRequest, kernel: EngineKernels) -> Iterator[str]:
+    """The AMX threshold as the engine runs it, and AMX for every call (``amx_min_rows`` 1)."""
+    default = kernel.amx_min_rows
+    if request.param == "every call":
+        kernel.amx_min_rows = 1
+    try:
+        yield request.param
+    finally:
+        kernel.amx_min_rows = default
+
+
+def test_the_q4_tile_matmul_equals_its_reference(kernel: EngineKernels, tile_kind: str, amx_rows: str) -> None:
     """The tile kernel computes exactly its reference (:func:`_tile_reference`) for any row count: one pass of
     rows, partial passes, several passes. Only the order of the fp32 sums differs, and the output is rounded
-    to bf16 once; and it stays close to the exact product."""
+    to bf16 once; and it stays close to the exact product. Under AMX, calls of fewer rows than
+    ``amx_min_rows`` compute the vector kernel's reference."""
     for n, k in ((48, 64), (960, 576), (576, 1536)):
         weight = _q4_weight(n, k, n + k)
         tiles = pack_for(tile_kind, weight)
-        assert tiles.shape == (n // 16, k // 32, 320)
-        for m in (1, 3, 8, 16, 17, 40, 64, 100, 150):
+        assert tiles.shape == _layout_shape(tile_kind, n, k, 320)
+        for m in (1, 3, 8, 15, 16, 17, 40, 64, 100, 150):
             x = torch.randn(m, k).to(torch.bfloat16)
             got = kernel.tile_matmul(x, tiles, n).double()
-            want = _tile_reference(tile_kind, x, weight)
+            want = _tile_reference(_kind_for(kernel, tile_kind, m), x, weight)
             scale = want.abs().max()
             # within a bf16 rounding of the largest output (half an ulp: under 2 ** -8 of it), and the fp32
             # sums' own rounding
@@ -358,21 +378,21 @@ def test_the_q4_tile_matmul_equals_its_reference(kernel: EngineKernels, tile_kin
         kernel.tile_matmul(torch.randn(2, 64).to(torch.bfloat16), pack_for(tile_kind, _q4_weight(32, 64, 1)), 48)
 
 
-def test_the_q8_tile_matmul_equals_its_reference(kernel: EngineKernels, tile_kind: str) -> None:
+def test_the_q8_tile_matmul_equals_its_reference(kernel: EngineKernels, tile_kind: str, amx_rows: str) -> None:
     """The same for a Q8_0 weight (the LM head's format)."""
     generator = torch.Generator().manual_seed(11)
     for n, k in ((32, 64), (4096, 576)):
         weight = Q8_0Weight(scale=(torch.rand(n, k // 32, generator=generator) * 0.01).half(),
                             quants=torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8))
         tiles = pack_for(tile_kind, weight)
-        assert tiles.shape == (n // 16, k // 32, 544)
+        assert tiles.shape == _layout_shape(tile_kind, n, k, 544)
         for m in (1, 4, 9, 16, 70):
             x = torch.randn(m, k).to(torch.bfloat16)
-            want = _tile_reference(tile_kind, x, weight)
+            want = _tile_reference(_kind_for(kernel, tile_kind, m), x, weight)
             got = kernel.tile_matmul(x, tiles, n, q8=True).double()
             assert (got - want).abs().max() <= 1.05 * 2 ** -8 * want.abs().max(), (tile_kind, n, k, m)
         linear = TileQ8Linear(weight, kernel)
-        few = torch.randn(TILE_MIN_ROWS[tile_kind], k).to(torch.bfloat16)
+        few = torch.randn(1, k).to(torch.bfloat16)
         want = few.double() @ weight.dequantize().double().T
         assert (linear.bf16(few).double() - want).abs().max() <= 0.02 * want.abs().max()
     with pytest.raises(ValueError):  # Q4_1 tiles are not Q8_0 ones
@@ -398,6 +418,8 @@ def test_the_layouts_keep_every_quant_and_scale() -> None:
     assert torch.equal(value, q8.quants[16 + n, 32 + 4 * row : 32 + 4 * row + 4].to(torch.int16))
     assert torch.equal(packed[g, kb, 512:544].view(torch.float16), q8.scale[16:32, kb])
     assert pack_q8_tiles(q8).shape == packed.shape
+    assert torch.equal(pack_for("amx", weight), torch.stack([tiles, quads]))  # AMX's, then the vectors'
+    assert torch.equal(pack_for("avx512-vnni", weight), quads)
     with pytest.raises(ValueError):
         pack_for("avx512-bf16", weight)
 
@@ -418,18 +440,33 @@ def test_the_tile_kinds_agree(kernel: EngineKernels) -> None:
     assert (on_tiles - on_vectors).abs().max() <= 0.02 * on_tiles.abs().max()
 
 
-def test_the_tile_linear_serves_few_rows_with_the_int4_kernel_where_that_is_faster(
-        kernel: EngineKernels, monkeypatch: pytest.MonkeyPatch) -> None:
-    kind = kernel.tile_matmul_kind
-    if not kind:
-        pytest.skip("this CPU has neither AMX tiles nor AVX512-VNNI")
-    linear = TileQ4Linear(_q4_weight(64, 96, 7), kernel)
-    assert (linear.small is None) == (TILE_MIN_ROWS[kind] == 1)  # no int4 copy where it is never used
-    calls = []
-    monkeypatch.setattr(kernel, "tile_matmul", lambda *args, **kw: calls.append(args[0].shape[0]) or torch.zeros(0))
-    for m in range(1, 7):
-        linear.bf16(torch.randn(m, 96).to(torch.bfloat16))
-    assert calls == list(range(TILE_MIN_ROWS[kind], 7))
+def test_under_amx_calls_of_few_rows_run_the_vector_kernel_and_many_the_tiles(kernel: EngineKernels) -> None:
+    """Under AMX, a call of fewer rows than ``amx_min_rows`` (16) equals the vector kernel's result on the
+    same weight bit for bit (it runs that kernel, on the second layout), and a call of more rows equals
+    AMX's (the rows do not depend on one another in either kernel)."""
+    if kernel.select_tile_matmul("amx") != "amx":
+        kernel.select_tile_matmul(None)
+        pytest.skip("this CPU has no AMX tiles")
+    weight = _q4_weight(960, 576, 4)
+    both = pack_for("amx", weight)
+    x = torch.randn(40, 576).to(torch.bfloat16)
+    default = kernel.amx_min_rows
+    try:
+        assert default == 16
+        mixed = {m: kernel.tile_matmul(x[:m].contiguous(), both, 960) for m in (1, 5, 15, 16, 40)}
+        kernel.amx_min_rows = 1
+        on_tiles = kernel.tile_matmul(x, both, 960)
+        assert kernel.select_tile_matmul("avx512-vnni") == "avx512-vnni"
+        on_vectors = kernel.tile_matmul(x, pack_for("avx512-vnni", weight), 960)
+    finally:
+        kernel.select_tile_matmul(None)
+        kernel.amx_min_rows = default
+    for m, got in mixed.items():
+        want = (on_vectors if m < default else on_tiles)[:m]
+        assert torch.equal(got, want), m
+    assert not torch.equal(on_tiles[:15], on_vectors[:15])  # the two kernels round x differently
+    with pytest.raises(ValueError):
+        kernel.amx_min_rows = 0
 
 
 def test_the_tile_linear_refuses_a_kernel_its_weights_are_not_packed_for(kernel: EngineKernels) -> None:
@@ -454,7 +491,7 @@ def test_the_packaged_model_runs_its_q4_blocks_on_the_tile_kernel(real_runner: M
     assert isinstance(forward.weights.lm_head, TileQ8Linear)
 
 
-@pytest.mark.parametrize("tile_kind", _TILE_KINDS)
+@pytest.mark.parametrize("tile_kind", TILE_KINDS)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
 def test_a_whole_step_in_one_native_call_equals_the_loop_over_layers(real_runner: ModelRunner, tile_kind: str,
                                                                     kv_dtype: torch.dtype) -> None:
@@ -508,8 +545,7 @@ def _whole_step_equals_the_loop(real_runner: ModelRunner, kernels: EngineKernels
     native, written_native, native_steps = run(True)
     loop, written_loop, loop_steps = run(False)
     assert loop_steps == 0
-    wide = TILE_MIN_ROWS[tile_kind]  # fewer rows than the tile kernel takes (AMX: 4) keep the loop
-    assert native_steps == 1 + sum(width >= wide for width in (6, 1, 6, 4))
+    assert native_steps == 5  # the packed chunks and every decode step, of one session as of six
     for a, b in zip(native, loop, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(written_native, written_loop)

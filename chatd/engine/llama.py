@@ -333,16 +333,15 @@ class LlamaForward:
         # h: [M, hidden] (the positions whose logits are wanted) -> [M, vocab] fp32
         return self.weights.lm_head(_rms_norm(h, self.weights.norm, self.shape.rms_norm_eps)).float()
 
-    def _step_plan(self, pool: KVPool, rows: int, num_last: int) -> StepPlan | None:
+    def _step_plan(self, pool: KVPool) -> StepPlan | None:
         """The plan for running this step as one native call, or None where it cannot: no kernels or no tile
-        kernel, weights packed for another kind, or fewer rows than the tile kernel takes (AMX: 4)."""
+        kernel, or weights packed for another kind."""
         kernels = self.kernels
         if kernels is None or not self._tiled or not self.use_native_step:
             return None
         head = cast(TileQ8Linear, self.weights.lm_head)
         kind = kernels.tile_matmul_kind
-        if (kind is None or head.kind != kind or any(p.kind != kind for p in self._tiled)
-                or rows < self._tiled[0].min_rows or num_last < head.min_rows):
+        if kind is None or head.kind != kind or any(p.kind != kind for p in self._tiled):
             return None
         plan = self._plans.get(pool)
         if plan is None or plan.kv is not pool.tensors.kv:
@@ -354,7 +353,7 @@ class LlamaForward:
             plan = StepPlan(num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                             inter=self.weights.layers[0].gate_up.out_features // 2, eps=s.rms_norm_eps,
                             scale=self.scale, layers=layers, final_norm=self.weights.norm, lm_head=head.tiles,
-                            vocab=s.vocab_size, kv=pool.tensors.kv)
+                            vocab=s.vocab_size, kv=pool.tensors.kv, kind=kind)
             self._plans[pool] = plan
         return plan
 
@@ -402,7 +401,7 @@ class LlamaForward:
                     raise IndexError(f"a position past the model's {self.cos.shape[0]} RoPE positions")
                 positions = positions.to(device=self.device, dtype=torch.int64).contiguous()
                 slots = step.slots.to(torch.int64).contiguous()
-                plan = self._step_plan(pool, rows_total, len(runs)) if not others else None
+                plan = self._step_plan(pool) if not others else None
                 if plan is not None:  # the whole step in one native call: the loop below, in C
                     self.native_steps += 1
                     last = torch.tensor(bounds[1:], dtype=torch.int32) - 1

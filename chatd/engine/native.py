@@ -122,6 +122,9 @@ class EngineKernels:
         self._select_tile_matmul.argtypes = [i32]
         self._select_tile_matmul.restype = i32
         self.tile_matmul_kind: str | None = _TILE_KINDS[lib.chatd_q4_matmul_kind()]
+        self._amx_rows = lib.chatd_q4_matmul_amx_rows
+        self._amx_rows.argtypes = [i32]
+        self._amx_rows.restype = i32
         self._forward_step = lib.chatd_forward_step
         self._forward_step.argtypes = [p, p, p, p, p, i32, p, p, p, p, p, i64, p, p, i32, p, i32]
         self._forward_step.restype = i32
@@ -185,13 +188,26 @@ class EngineKernels:
         self.tile_matmul_kind = _TILE_KINDS[self._select_tile_matmul(code)]
         return self.tile_matmul_kind
 
+    @property
+    def amx_min_rows(self) -> int:
+        """Where AMX runs: calls of this many rows or more take it, fewer the vector kernel (on the second
+        layout the weights are packed in there). 16 unless set (tests set 1: AMX for every call)."""
+        return int(self._amx_rows(0))
+
+    @amx_min_rows.setter
+    def amx_min_rows(self, rows: int) -> None:
+        if rows < 1:
+            raise ValueError("amx_min_rows must be at least 1")
+        self._amx_rows(rows)
+
     def tile_matmul(self, x: torch.Tensor, tiles: torch.Tensor, n: int, *, q8: bool = False) -> torch.Tensor:
         """bf16 ``x`` ``[M, K]`` (contiguous) times a Q4_1 weight ``[n, K]`` (a Q8_0 one where ``q8``) packed for
         the kernel in effect (:func:`chatd.engine.quant.pack_for` with :attr:`tile_matmul_kind`), as a new bf16
         ``[M, n]``. Only where :attr:`tile_matmul_kind` is set."""
         m, k = x.shape
-        if not (self.tile_matmul_kind and x.dtype == torch.bfloat16 and x.is_contiguous()
-                and tiles.dtype == torch.uint8 and tiles.is_contiguous() and tiles.numel() == tile_bytes(n, k, q8=q8)):
+        kind = self.tile_matmul_kind
+        if not (kind and x.dtype == torch.bfloat16 and x.is_contiguous() and tiles.dtype == torch.uint8
+                and tiles.is_contiguous() and tiles.numel() == tile_bytes(n, k, q8=q8, kind=kind)):
             raise ValueError("tile_matmul: unexpected dtypes or layouts, or no AMX / AVX512-VNNI here")
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
@@ -253,12 +269,13 @@ def _check_status(kernel: str, status: int) -> None:
         raise RuntimeError(f"{kernel}: this build has no tile kernel")
 
 
-def tile_bytes(n: int, k: int, *, q8: bool) -> int:
-    """The size of an ``[n, k]`` weight packed for the tile kernel (either kind); -1 where n is not a multiple of
-    16 or k of 32 (no packing)."""
+def tile_bytes(n: int, k: int, *, q8: bool, kind: str) -> int:
+    """The size of an ``[n, k]`` weight packed for the tile kernel ``kind``; -1 where n is not a multiple of 16
+    or k of 32 (no packing). Under AMX a weight is packed twice: AMX tiles, then the vector kernel's."""
     if n % 16 or k % 32:
         return -1
-    return n * k * 17 // 16 if q8 else n * k * 5 // 8  # 544 or 320 bytes per 512 weights
+    layout = n * k * 17 // 16 if q8 else n * k * 5 // 8  # 544 or 320 bytes per 512 weights
+    return 2 * layout if kind == "amx" else layout
 
 
 class _Layer(ctypes.Structure):
@@ -279,9 +296,9 @@ class StepPlan:
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, inter: int, eps: float, scale: float,
                  layers: list[dict[str, torch.Tensor]], final_norm: torch.Tensor, lm_head: torch.Tensor,
-                 vocab: int, kv: torch.Tensor) -> None:
+                 vocab: int, kv: torch.Tensor, kind: str) -> None:
         """``layers``: per layer ``attn_norm``, ``ffn_norm`` (fp32 ``[hidden]``) and ``qkv``, ``o``, ``gate_up``,
-        ``down`` (Q4_1 tiles); ``lm_head`` Q8_0 tiles; ``kv``: the pool,
+        ``down`` (Q4_1 tiles); ``lm_head`` Q8_0 tiles, all packed for the tile kernel ``kind``; ``kv``: the pool,
         ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]`` contiguous fp32 or bf16."""
         num_layers, _, kv_heads, num_blocks, block_size, kv_dim = kv.shape
         hidden = final_norm.shape[0]
@@ -301,10 +318,10 @@ class StepPlan:
             for name, n, k in (("qkv", qkv_n, hidden), ("o", hidden, q_n), ("gate_up", 2 * inter, hidden),
                                ("down", hidden, inter)):
                 if not (layer[name].dtype == torch.uint8 and layer[name].is_contiguous()
-                        and layer[name].numel() == tile_bytes(n, k, q8=False)):
+                        and layer[name].numel() == tile_bytes(n, k, q8=False, kind=kind)):
                     raise ValueError(f"StepPlan: {name} must be Q4_1 tiles of [{n}, {k}]")
         if not (lm_head.dtype == torch.uint8 and lm_head.is_contiguous()
-                and lm_head.numel() == tile_bytes(vocab, hidden, q8=True)):
+                and lm_head.numel() == tile_bytes(vocab, hidden, q8=True, kind=kind)):
             raise ValueError(f"StepPlan: the LM head must be Q8_0 tiles of [{vocab}, {hidden}]")
         self.layers = (_Layer * num_layers)(*(
             _Layer(*(layer[name].data_ptr() for name in ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down")),

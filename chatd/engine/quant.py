@@ -45,11 +45,7 @@ import numpy as np
 import torch
 
 GROUP_SIZE = 32  # weights per ggml block, and the kernel's group size
-# From this many rows a Q4_1 projection runs on the native tile kernel, by the kernel the CPU has; fewer go
-# to torch's int4 kernel. On AMX it dequantises each tile to bf16 for the tile unit, which below 4 rows costs
-# more than the int4 kernel's per-row dequantisation; the AVX512-VNNI kernel multiplies the quants as they
-# are and is ahead from one row (benchmarks/quant_matmul.py).
-TILE_MIN_ROWS = {"amx": 4, "avx512-vnni": 1}
+TILE_KINDS = ("amx", "avx512-vnni")  # the native tile kernels (EngineKernels.tile_matmul_kind)
 _Q4_1_BLOCK_BYTES = 20
 _Q8_0_BLOCK_BYTES = 34
 _INNER_K_TILES = 2  # required by the packing op's signature; the CPU packing does not depend on it
@@ -235,19 +231,16 @@ class _TileLinear:
     bf16 in and out, at the quantised weight's memory traffic: each tile of the weight is read once per call,
     for every row. On AMX tiles it is dequantised to exactly the bf16 copy of the dequantised fp32 weight (the
     dense twin's values); on AVX512-VNNI the quants multiply x rounded to int8 per block of 32 (as llama.cpp
-    does). Below ``TILE_MIN_ROWS[kind]`` rows calls go to ``small``, the same weight in torch's int4 kernel's
-    layout (built only where that kernel is used)."""
+    does). Where AMX runs, calls of fewer rows than :attr:`EngineKernels.amx_min_rows` take the vector kernel,
+    on the second layout the weight is packed in (:func:`pack_for`)."""
 
     takes_bf16 = True
     q8 = False
 
-    def __init__(self, weight: Q4_1Weight | Q8_0Weight, small: Callable[[], Int4Linear | Q8_0Linear],
-                 kernels: Any) -> None:
+    def __init__(self, weight: Q4_1Weight | Q8_0Weight, kernels: Any) -> None:
         self.out_features, self.in_features = weight.shape
         self.kind: str = kernels.tile_matmul_kind  # the layout the weight is packed in
         self.tiles = pack_for(self.kind, weight)
-        self.min_rows = TILE_MIN_ROWS[self.kind]
-        self.small = small() if self.min_rows > 1 else None
         self.kernels = kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,8 +250,6 @@ class _TileLinear:
 
     def bf16(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 ``[M, K]`` (contiguous) -> bf16 ``[M, N]``."""
-        if x.shape[0] < self.min_rows and self.small is not None:
-            return self.small.bf16(x)
         if self.kernels.tile_matmul_kind != self.kind:
             raise RuntimeError(f"weights packed for the {self.kind} tile kernel, but "
                                f"{self.kernels.tile_matmul_kind} runs")
@@ -266,10 +257,7 @@ class _TileLinear:
 
 
 class TileQ4Linear(_TileLinear):
-    """A Q4_1 projection on the tile kernel (:func:`pack_for`); :class:`Int4Linear` below ``TILE_MIN_ROWS``."""
-
-    def __init__(self, weight: Q4_1Weight, kernels: Any) -> None:
-        super().__init__(weight, lambda: Int4Linear(weight), kernels)
+    """A Q4_1 projection on the tile kernel (:func:`pack_for`)."""
 
 
 def pack_q8_tiles(weight: Q8_0Weight) -> torch.Tensor:
@@ -313,22 +301,22 @@ def pack_q8_quads(weight: Q8_0Weight) -> torch.Tensor:
 
 
 def pack_for(kind: str, weight: Q4_1Weight | Q8_0Weight) -> torch.Tensor:
-    """``weight`` in the layout the tile kernel ``kind`` (:attr:`EngineKernels.tile_matmul_kind`) reads."""
-    if kind not in TILE_MIN_ROWS:
+    """``weight`` in the layout the tile kernel ``kind`` (:attr:`EngineKernels.tile_matmul_kind`) reads: the
+    vector kernel's ``[N / 16, K / 32, tile bytes]``; under AMX ``[2, ...]``, the AMX tiles and then the vector
+    kernel's, which takes the calls of few rows (``chatd/engine/tile_matmul.c``)."""
+    if kind not in TILE_KINDS:
         raise ValueError(f"no tile kernel {kind!r}")
-    if isinstance(weight, Q8_0Weight):
-        return pack_q8_tiles(weight) if kind == "amx" else pack_q8_quads(weight)
-    return pack_q4_tiles(weight) if kind == "amx" else pack_q4_quads(weight)
+    quads = pack_q8_quads(weight) if isinstance(weight, Q8_0Weight) else pack_q4_quads(weight)
+    if kind == "avx512-vnni":
+        return quads
+    tiles = pack_q8_tiles(weight) if isinstance(weight, Q8_0Weight) else pack_q4_tiles(weight)
+    return torch.stack([tiles, quads])
 
 
 class TileQ8Linear(_TileLinear):
-    """A Q8_0 projection (the LM head) on the tile kernel (:func:`pack_for`); :class:`Q8_0Linear` below
-    ``TILE_MIN_ROWS``."""
+    """A Q8_0 projection (the LM head) on the tile kernel (:func:`pack_for`)."""
 
     q8 = True
-
-    def __init__(self, weight: Q8_0Weight, kernels: Any) -> None:
-        super().__init__(weight, lambda: Q8_0Linear(weight), kernels)
 
 
 Q4Linear = Int4Linear | TileQ4Linear

@@ -313,8 +313,8 @@ def gguf_forward(device: torch.device, dequantised: Any | None = None,
     """The compact forward over the packaged GGUF's own Q4_1 / Q8_0 blocks (CPU int4 kernel).
 
     ``kernels`` with a tile matmul (:attr:`EngineKernels.tile_matmul_kind`: AMX tiles or AVX512-VNNI
-    vectors): the Q4_1 and Q8_0 blocks run on it (on AMX from ``TILE_MIN_ROWS`` rows), at the blocks' memory
-    traffic and growing slowly in the rows; there is no twin (``python -m benchmarks.quant_matmul``).
+    vectors; with AMX, steps of few rows on the vectors): the Q4_1 and Q8_0 blocks run on it, at the blocks'
+    memory traffic and growing slowly in the rows; there is no twin (``python -m benchmarks.quant_matmul``).
     Without one, ``dequantised`` (the converted fp32 model, the same weights dequantised exactly) gives
     batches of several rows (prefill chunks, decode steps of many sessions) a dense twin: bf16 on a CPU with
     bf16 matmul units, else fp32 for prefill-sized batches; single-session decode steps run the blocks."""
