@@ -106,6 +106,23 @@ static inline __m512 exp16(__m512 x)
  * vector of scores per query head and block), over the blocks [first_block, end_block) of the sequence.
  * It leaves the running softmax's state per query head g in state + g * (head_dim + 2): the largest
  * score, the sum of exp(score - largest), and the values weighted by those, not yet divided. */
+/* The 16 lanes' sums of 16 vectors: lane t of the result is the sum of v[t]'s lanes. A tree of pairwise
+ * interleaves and adds: 45 instructions for the 16 sums, where a horizontal sum takes about 10 each. */
+static inline __m512 sum16x16(const __m512 *v)
+{
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) /* 128-bit lane l: v[2i] l0 + l2, v[2i+1] l0 + l2, v[2i] l1 + l3, v[2i+1] l1 + l3 */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* 128-bit lane l: that lane's part of the sums of v[4i..4i+3] */
+        const __m512d lo = _mm512_castps_pd(a[2 * i]), hi = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    /* c: b0's 128-bit lanes 0+1 and 2+3, then b1's; d likewise of b2 and b3; then their lanes added pairwise */
+    const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x88), _mm512_shuffle_f32x4(c, d, 0xdd));
+}
+
 /* 16 K or V values from element `index` of an fp32 or bf16 (kv_bf16) array, as fp32. */
 static inline __m512 kv16(const void *base, int64_t index, int kv_bf16)
 {
@@ -121,6 +138,7 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
     const int esize = kv_bf16 ? 2 : 4;
     __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
     float score[MAX_GROUP][16] __attribute__((aligned(64)));
+    __m512 dots[MAX_GROUP][16]; /* per query head, its 16 products with each key of the block */
     float best[MAX_GROUP], total[MAX_GROUP];
     const int chunks = head_dim / 16;
     for (int g = 0; g < group; g++) {
@@ -141,15 +159,25 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
                 _mm_prefetch((const char *)values + next + line, _MM_HINT_T0);
             }
         }
+        /* Each key is widened once for the group's query heads; each head's 16 products per key are summed
+         * for the block's keys together (sum16x16), the unused lanes of a partial block over zeros. */
         for (int t = 0; t < n; t++) {
             const int64_t kt = first + (int64_t)t * head_dim;
+            __m512 key[MAX_HEAD_DIM / 16];
+            for (int c = 0; c < chunks; c++)
+                key[c] = kv16(keys, kt + 16 * c, kv_bf16);
             for (int g = 0; g < group; g++) {
                 const float *qg = q + g * q_head_stride;
-                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), kv16(keys, kt, kv_bf16));
+                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), key[0]);
                 for (int c = 1; c < chunks; c++)
-                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv16(keys, kt + 16 * c, kv_bf16), dot);
-                score[g][t] = _mm512_reduce_add_ps(dot) * scale;
+                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), key[c], dot);
+                dots[g][t] = dot;
             }
+        }
+        for (int g = 0; g < group; g++) {
+            for (int t = n; t < 16; t++)
+                dots[g][t] = _mm512_setzero_ps();
+            _mm512_store_ps(score[g], _mm512_mul_ps(sum16x16(dots[g]), _mm512_set1_ps(scale)));
         }
         for (int g = 0; g < group; g++) {
             const __m512 s = _mm512_maskz_load_ps(live, score[g]);
@@ -183,20 +211,39 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
 }
 
 /* attend_blocks16 compiled once per K/V element type. */
+/* Common shapes get copies of their own (64-wide heads, groups of 1 to 4 query heads per KV head), where the
+ * compiler unrolls the loops over heads and chunks and keeps every accumulator in a register. */
+#define ATTEND_SHAPED(KV_BF16)                                                                                  \
+    do {                                                                                                       \
+        if (head_dim == 64 && group == 3)                                                                      \
+            attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 3, 64,      \
+                            block_size, scale, state, KV_BF16);                                                \
+        else if (head_dim == 64 && group == 1)                                                                 \
+            attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 1, 64,      \
+                            block_size, scale, state, KV_BF16);                                                \
+        else if (head_dim == 64 && group == 2)                                                                 \
+            attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 2, 64,      \
+                            block_size, scale, state, KV_BF16);                                                \
+        else if (head_dim == 64 && group == 4)                                                                 \
+            attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 4, 64,      \
+                            block_size, scale, state, KV_BF16);                                                \
+        else                                                                                                   \
+            attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, group,      \
+                            head_dim, block_size, scale, state, KV_BF16);                                      \
+    } while (0)
+
 static void attend_blocks16_f32(const float *q, int64_t q_head_stride, const void *keys, const void *values,
                                 const int32_t *table, int length, int first_block, int end_block, int group,
                                 int head_dim, int block_size, float scale, float *state)
 {
-    attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
-                    block_size, scale, state, 0);
+    ATTEND_SHAPED(0);
 }
 
 static void attend_blocks16_bf16(const float *q, int64_t q_head_stride, const void *keys, const void *values,
                                  const int32_t *table, int length, int first_block, int end_block, int group,
                                  int head_dim, int block_size, float scale, float *state)
 {
-    attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
-                    block_size, scale, state, 1);
+    ATTEND_SHAPED(1);
 }
 
 /* The attention of query heads [g0, g0 + group) from the states of `parts` block ranges (consecutive,
