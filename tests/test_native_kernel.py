@@ -132,6 +132,9 @@ def test_decode_steps_with_the_kernel_equal_torch_attention(real_runner: ModelRu
 
     def run(kernel: EngineKernels | None) -> list[torch.Tensor]:
         saved, forward.kernels = forward.kernels, kernel
+        # the torch path's attention in fp32, as the kernel's is (with AMX, prompt chunks over a bf16 pool
+        # attend in bf16: tests/test_llama_forward.py)
+        saved_bf16, forward.bf16_attention = forward.bf16_attention, False
         caches = [real_runner.new_cache() for _ in prompts]
         try:
             halves = [(p[:len(p) // 2], p[len(p) // 2:]) for p in prompts]
@@ -145,7 +148,7 @@ def test_decode_steps_with_the_kernel_equal_torch_attention(real_runner: ModelRu
                 tokens = logits.argmax(-1).tolist()
             return steps
         finally:
-            forward.kernels = saved
+            forward.kernels, forward.bf16_attention = saved, saved_bf16
             for cache in caches:
                 cache.free()
 
