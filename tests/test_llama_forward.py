@@ -261,4 +261,3 @@ def test_prompt_attention_in_bf16_stays_close_to_fp32(real_runner: ModelRunner,
         # measured: largest difference 0.13-0.19, mean 0.7-1.2 % of the mean logit (30 layers of bf16 roundings)
         assert (a - b).abs().max() <= 0.5
         assert (a - b).abs().mean() <= 0.03 * a.abs().mean()
-    assert llama_module.bf16_attention_is_fast() == bool(torch.cpu._is_amx_tile_supported())

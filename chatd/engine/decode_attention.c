@@ -102,10 +102,6 @@ static inline __m512 exp16(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
-/* The same walk as attend_pair below, 16 lanes at a time (head_dim a multiple of 16, block_size <= 16: one
- * vector of scores per query head and block), over the blocks [first_block, end_block) of the sequence.
- * It leaves the running softmax's state per query head g in state + g * (head_dim + 2): the largest
- * score, the sum of exp(score - largest), and the values weighted by those, not yet divided. */
 /* The 16 lanes' sums of 16 vectors: lane t of the result is the sum of v[t]'s lanes. A tree of pairwise
  * interleaves and adds: 45 instructions for the 16 sums, where a horizontal sum takes about 10 each. */
 static inline __m512 sum16x16(const __m512 *v)
@@ -129,6 +125,10 @@ static inline __m512 kv16(const void *base, int64_t index, int kv_bf16)
     return kv_bf16 ? load_bf16x16((const uint16_t *)base + index) : _mm512_loadu_ps((const float *)base + index);
 }
 
+/* The same walk as attend_pair below, 16 lanes at a time (head_dim a multiple of 16, block_size <= 16: one
+ * vector of scores per query head and block), over the blocks [first_block, end_block) of the sequence.
+ * It leaves the running softmax's state per query head g in state + g * (head_dim + 2): the largest
+ * score, the sum of exp(score - largest), and the values weighted by those, not yet divided. */
 static inline __attribute__((always_inline)) void
 attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *restrict keys,
                 const void *restrict values, const int32_t *restrict table, int length, int first_block,
@@ -210,40 +210,44 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
     }
 }
 
-/* attend_blocks16 compiled once per K/V element type. */
-/* Common shapes get copies of their own (64-wide heads, groups of 1 to 4 query heads per KV head), where the
- * compiler unrolls the loops over heads and chunks and keeps every accumulator in a register. */
-#define ATTEND_SHAPED(KV_BF16)                                                                                  \
-    do {                                                                                                       \
-        if (head_dim == 64 && group == 3)                                                                      \
-            attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 3, 64,      \
-                            block_size, scale, state, KV_BF16);                                                \
-        else if (head_dim == 64 && group == 1)                                                                 \
-            attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 1, 64,      \
-                            block_size, scale, state, KV_BF16);                                                \
-        else if (head_dim == 64 && group == 2)                                                                 \
-            attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 2, 64,      \
-                            block_size, scale, state, KV_BF16);                                                \
-        else if (head_dim == 64 && group == 4)                                                                 \
-            attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 4, 64,      \
-                            block_size, scale, state, KV_BF16);                                                \
-        else                                                                                                   \
-            attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, group,      \
-                            head_dim, block_size, scale, state, KV_BF16);                                      \
-    } while (0)
+/* attend_blocks16 compiled once per K/V element type, and within each, common shapes (64-wide heads, groups
+ * of 1 to 4 query heads per KV head) get copies of their own, in which the compiler unrolls the loops over
+ * heads and chunks and keeps every accumulator in a register. */
+static inline __attribute__((always_inline)) void
+attend_shaped(const float *q, int64_t q_head_stride, const void *keys, const void *values, const int32_t *table,
+              int length, int first_block, int end_block, int group, int head_dim, int block_size, float scale,
+              float *state, const int kv_bf16)
+{
+    if (head_dim == 64 && group >= 1 && group <= 4) {
+        switch (group) {
+        case 1: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 1, 64,
+                                block_size, scale, state, kv_bf16); return;
+        case 2: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 2, 64,
+                                block_size, scale, state, kv_bf16); return;
+        case 3: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 3, 64,
+                                block_size, scale, state, kv_bf16); return;
+        default: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 4, 64,
+                                 block_size, scale, state, kv_bf16); return;
+        }
+    }
+    attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
+                    block_size, scale, state, kv_bf16);
+}
 
 static void attend_blocks16_f32(const float *q, int64_t q_head_stride, const void *keys, const void *values,
                                 const int32_t *table, int length, int first_block, int end_block, int group,
                                 int head_dim, int block_size, float scale, float *state)
 {
-    ATTEND_SHAPED(0);
+    attend_shaped(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
+                  block_size, scale, state, 0);
 }
 
 static void attend_blocks16_bf16(const float *q, int64_t q_head_stride, const void *keys, const void *values,
                                  const int32_t *table, int length, int first_block, int end_block, int group,
                                  int head_dim, int block_size, float scale, float *state)
 {
-    ATTEND_SHAPED(1);
+    attend_shaped(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
+                  block_size, scale, state, 1);
 }
 
 /* The attention of query heads [g0, g0 + group) from the states of `parts` block ranges (consecutive,

@@ -220,7 +220,7 @@ static void amx_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, in
 
 #ifdef HAVE_VNNI
 
-#define VECTOR_ROWS 8 /* rows of x per pass: 8 block sums and 8 totals in registers, beside the quad rows */
+#define VECTOR_ROWS 8 /* rows of x per pass: 8 block sums and 8 totals in registers, beside the quad row in use */
 
 /* bf16 bits -> fp32 (exact) */
 static inline __m512 widen_bf16(__m256i bits)
