@@ -27,7 +27,7 @@ from chatd.engine.kvcache import SessionKV
 from chatd.engine.runner import ModelRunner
 from chatd.kv.persistence import fingerprint_of, finish_restore, read_snapshot_file, restore_targets
 from chatd.kv.snapshot import FORMAT_VERSION, ModelFingerprint, allocate_targets, read_snapshot, write_snapshot
-from chatd.kv.snapshot_frames import default_threads
+from chatd.kv.snapshot_frames import PlaneKernels, default_threads
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -63,7 +63,7 @@ def restore_file(bench: Bench, runner: ModelRunner, fingerprint: ModelFingerprin
     cache.reserve(len(ids))
     with timed(bench) as t:
         targets = restore_targets(cache, ids, fingerprint)
-        read_snapshot_file(path, fingerprint, ids, targets)
+        read_snapshot_file(path, fingerprint, ids, targets, runner.kernels)
         finish_restore(cache, targets)
     return cache, t[0]
 
@@ -97,7 +97,7 @@ def run_restore_vs_prefill(bench: Bench, corpus: Corpus) -> tuple[Figure, Sessio
         path = folder / f"restore-{n}.kvsnap"
         layers = prefix_layers(cache, n)
         with timed(bench) as w, path.open("wb") as f:
-            file_bytes = write_snapshot(f, fingerprint, ids[:n], layers)
+            file_bytes = write_snapshot(f, fingerprint, ids[:n], layers, kernels=runner.kernels)
             f.flush()
             os.fsync(f.fileno())
         cold: list[float] = []
@@ -198,20 +198,20 @@ def _plain_zstd(frames: list[np.ndarray], level: int, repeats: int) -> dict[str,
 
 
 def _codec(layers: Layers, fingerprint: ModelFingerprint, ids: Sequence[int], level: int, stored: str | None,
-           repeats: int) -> dict[str, Any]:
+           repeats: int, kernels: PlaneKernels | None) -> dict[str, Any]:
     """chatd's snapshot codec (byte-plane shuffle + zstd) to and from memory, so no disk time is counted."""
     compress_s, decompress_s = [], []
     blob = b""
     for _ in range(repeats):
         buffer = io.BytesIO()
         with timed() as t:
-            write_snapshot(buffer, fingerprint, ids, layers, level=level, stored_dtype=stored)
+            write_snapshot(buffer, fingerprint, ids, layers, level=level, stored_dtype=stored, kernels=kernels)
         compress_s.append(t[0])
         blob = buffer.getvalue()
     targets = allocate_targets(fingerprint, len(ids))
     for _ in range(repeats):
         with timed() as t:
-            read_snapshot(io.BytesIO(blob), expected=fingerprint, expected_ids=ids, targets=targets)
+            read_snapshot(io.BytesIO(blob), expected=fingerprint, expected_ids=ids, targets=targets, kernels=kernels)
         decompress_s.append(t[0])
     max_rel = 0.0
     max_abs = 0.0
@@ -257,7 +257,7 @@ def run_snapshot_codecs(bench: Bench, cache: SessionKV, ids: Sequence[int]) -> F
         stored_name = stored or live
         for level in bench.plan.zstd_levels:
             bench.log(f"  codec chatd {stored_name} level {level}")
-            result = _codec(layers, fingerprint, ids[:n], level, stored, repeats)
+            result = _codec(layers, fingerprint, ids[:n], level, stored, repeats, runner.kernels)
             fig.rows.append(_codec_row("chatd", stored_name, level, raw_bytes, result))
         frames = _plain_frames(layers, torch.bfloat16 if stored == "bfloat16" else layers[0][0].dtype)
         for level in bench.plan.zstd_levels:

@@ -132,7 +132,7 @@ class Chatd:
             info = runner.info
             if settings.model.max_context and settings.model.max_context < info.max_context:
                 info = dataclasses.replace(info, max_context=settings.model.max_context)
-            runner = ModelRunner(runner.model, runner.tokenizer, info, runner.forward)
+            runner = ModelRunner(runner.model, runner.tokenizer, info, runner.forward, runner.kernels)
             runner.configure_pool(budget_bytes)
         engine = db.create_engine(settings.store_url, echo=settings.store.echo)
         repo = Repo(db.make_sessionmaker(engine))
@@ -150,7 +150,8 @@ class Chatd:
                 worker.stop()
                 raise
             log.info("engine warm in %.1f s", warm_s)
-        snapshots = SnapshotService(settings.cache, settings.snapshot_path, repo, runner.info, counters=counters)
+        snapshots = SnapshotService(settings.cache, settings.snapshot_path, repo, runner.info, counters=counters,
+                                    kernels=runner.kernels)
         kv = KVManager(worker, runner.info, settings.cache, snapshots, counters=counters)
         turns = TurnRunner(settings, repo, ChatTemplate(runner.tokenizer), runner.info, worker, kv, counters)
         tiers = Tiers(kv, snapshots)

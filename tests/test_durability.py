@@ -17,6 +17,7 @@ import torch
 
 from chatd.config import Settings
 from chatd.core import Chatd
+from chatd.engine.native import load_kernels
 from chatd.engine.runner import ModelRunner
 from chatd.errors import ContextLengthExceeded
 from chatd.protocol import GenerationParams, Usage
@@ -80,7 +81,25 @@ async def test_many_sessions_under_a_small_budget(make_settings: SettingsFactory
         assert core.counters.num_restores + core.counters.num_resumes_from_pool >= 8
 
 
-async def test_restore_is_bit_exact(make_settings: SettingsFactory, tiny_dir: Path, tiny_runner: ModelRunner) -> None:
+@pytest.mark.parametrize("native_planes", [False, True])
+async def test_restore_is_bit_exact(make_settings: SettingsFactory, tiny_dir: Path, tiny_runner: ModelRunner,
+                                    real_dir: Path, monkeypatch: pytest.MonkeyPatch, native_planes: bool) -> None:
+    # With the engine's native kernels, the service splits and joins the snapshot's byte planes with them.
+    calls: list[str] = []
+    if native_planes:
+        kernels = load_kernels(real_dir / "native")
+        assert kernels is not None, "the test machine has a C compiler (scripts/setup.sh installs one)"
+
+        class Counting:
+            def split_planes(self, elements: Any, planes: Any) -> None:
+                calls.append("split")
+                kernels.split_planes(elements, planes)
+
+            def join_planes(self, planes: Any, elements: Any) -> None:
+                calls.append("join")
+                kernels.join_planes(planes, elements)
+
+        monkeypatch.setattr(tiny_runner, "kernels", Counting())
     async with Chatd.open(make_settings(tiny_dir, cache={"restore_min_tokens": 0}), runner=tiny_runner,
                           background=False) as core:
         sid = (await core.sessions.create(system="Keep this exact.")).session_id
@@ -94,6 +113,11 @@ async def test_restore_is_bit_exact(make_settings: SettingsFactory, tiny_dir: Pa
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(before, after, strict=True))
         result = await turn(core, sid, "next", 2)
         assert result.usage.cache_tier == "disk" and result.usage.restore_ms is not None
+    if native_planes:  # one restore; the eviction's snapshot, and another when the server closed
+        slabs = 2 * tiny_runner.info.num_layers * tiny_runner.info.num_kv_heads
+        assert calls.count("join") == slabs and calls.count("split") == 2 * slabs
+    else:
+        assert not calls
 
 
 async def test_a_snapshot_folder_deleted_at_runtime_is_recreated(make_settings: SettingsFactory, tiny_dir: Path,

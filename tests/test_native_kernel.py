@@ -1,9 +1,10 @@
-"""The native kernels (chatd/engine/decode_attention.c, tile_matmul.c, step.c): built once per machine and cached;
-decode attention equal to torch's over the same block tables, and used by the compact forward's decode
+"""The native kernels (chatd/engine/decode_attention.c, tile_matmul.c, step.c, planes.c): built once per machine
+and cached; decode attention equal to torch's over the same block tables, and used by the compact forward's decode
 steps with the same greedy tokens as without it; the element-wise steps equal to torch's; the Q4_1 and
 Q8_0 tile matmuls (AMX tiles and AVX512-VNNI vectors, each where the CPU has it) equal to their references:
 the bf16 dequantised weights (AMX), the exact weights times x rounded to int8 per block (VNNI); a whole q4
-step in one native call equal to the loop over layers, bit for bit."""
+step in one native call equal to the loop over layers, bit for bit; the snapshot codec's byte-plane split and
+join (planes.c) equal to numpy's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -553,3 +555,30 @@ def _whole_step_equals_the_loop(real_runner: ModelRunner, kernels: EngineKernels
     for a, b in zip(native, loop, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(written_native, written_loop)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 4097])
+def test_byte_planes_split_and_join_like_numpy(kernel: EngineKernels, size: int, n: int) -> None:
+    # planes[p] is byte p of every element, most significant first, whatever the host's byte order.
+    gen = np.random.default_rng(n * size)
+    elements = gen.integers(0, 256, size=(n, size), dtype=np.uint8)
+    words = elements.view(np.uint16 if size == 2 else np.uint32).reshape(n)
+    want = np.stack([((words >> (8 * (size - 1 - p))) & 0xFF).astype(np.uint8) for p in range(size)])
+    planes = np.full((size, n), 0xAA, dtype=np.uint8)
+    kernel.split_planes(elements, planes)
+    assert np.array_equal(planes, want)
+    back = np.zeros((n, size), dtype=np.uint8)
+    kernel.join_planes(planes, back)
+    assert np.array_equal(back, elements)
+
+
+def test_byte_planes_refuse_shapes_they_cannot_take(kernel: EngineKernels) -> None:
+    elements = np.zeros((10, 2), dtype=np.uint8)
+    with pytest.raises(ValueError, match="join_planes"):
+        kernel.join_planes(np.zeros((2, 9), dtype=np.uint8), elements)  # counts differ
+    with pytest.raises(ValueError, match="split_planes"):
+        kernel.split_planes(np.zeros((10, 8), dtype=np.uint8), np.zeros((8, 10), dtype=np.uint8))  # 8-byte elements
+    with pytest.raises(ValueError, match="join_planes"):
+        kernel.join_planes(np.zeros((2, 20), dtype=np.uint8)[:, ::2], elements)  # not contiguous
+    assert not elements.any()

@@ -8,10 +8,13 @@ import struct
 import threading
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from chatd.engine.native import EngineKernels, load_kernels
 from chatd.errors import (
     SnapshotCorrupt,
     SnapshotError,
@@ -133,6 +136,45 @@ def test_zero_tokens_round_trip() -> None:
     fp = fingerprint(num_layers=2)
     data = encode(fp, [], kv_like(fp, 0))
     assert decode(data, fp, [], 0)[1][1].shape == (3, 0, 64)
+
+
+@pytest.fixture(scope="module")
+def kernels(real_dir: Path) -> EngineKernels:
+    loaded = load_kernels(real_dir / "native")  # where the model's runner keeps them
+    assert loaded is not None, "the test machine has a C compiler (make test installs one: scripts/setup.sh)"
+    return loaded
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_native_byte_planes_write_the_same_file_and_read_it_back_exactly(kernels: EngineKernels, dtype: str,
+                                                                         version: int) -> None:
+    # The engine's kernels split and join the byte planes in C: same file bytes, same restored bits, on the
+    # calling thread and on decode workers.
+    calls = {"split_planes": 0, "join_planes": 0}
+
+    class Counting:
+        def split_planes(self, elements: np.ndarray, planes: np.ndarray) -> None:
+            calls["split_planes"] += 1
+            kernels.split_planes(elements, planes)
+
+        def join_planes(self, planes: np.ndarray, elements: np.ndarray) -> None:
+            calls["join_planes"] += 1
+            kernels.join_planes(planes, elements)
+
+    fp = fingerprint(dtype)
+    layers = with_special_values(kv_like(fp, 301, seed=3))
+    ids = list(range(301))
+    data = encode(fp, ids, layers, version=version)
+    slabs = 2 * fp.num_layers * fp.num_kv_heads
+    assert encode(fp, ids, layers, version=version, kernels=Counting()) == data
+    assert calls["split_planes"] == slabs
+    for threads in (1, 3):
+        targets = allocate_targets(fp, 301)
+        read_snapshot(io.BytesIO(data), expected=fp, expected_ids=ids, targets=targets, threads=threads,
+                      kernels=Counting())
+        assert_bit_equal(targets, layers)
+    assert calls["join_planes"] == 2 * slabs
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -1,7 +1,8 @@
 """The engine's native CPU kernels: RoPE with the K/V write into the paged pool, decode attention over
 it and the element-wise steps between a layer's projections (``decode_attention.c``), the Q4_1 and
 Q8_0 matmuls on AMX tiles or AVX512-VNNI vectors (``tile_matmul.c``), and a whole forward step of the q4
-model made of those in one call (``step.c``).
+model made of those in one call (``step.c``); and, for the KV snapshot codec, the split of a head slab into
+byte planes and their join back (``planes.c``).
 
 They are compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for this very CPU
 (``-march=native``), cached under ``<data_dir>/native`` by a hash of the source, the flags, the compiler
@@ -26,11 +27,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "tile_matmul.c", "step.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "tile_matmul.c", "step.c",
+                                                                    "planes.c"))
 # -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
@@ -131,6 +134,12 @@ class EngineKernels:
         self._limits = lib.chatd_decode_attention_limits
         self._limits.argtypes = [i32, i32, i32]
         self._limits.restype = i32
+        self._join_planes = lib.chatd_join_planes
+        self._join_planes.argtypes = [p, p, i64, i32]
+        self._join_planes.restype = i32
+        self._split_planes = lib.chatd_split_planes
+        self._split_planes.argtypes = [p, p, i64, i32]
+        self._split_planes.restype = i32
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
         return num_heads % num_kv_heads == 0 and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
@@ -178,6 +187,18 @@ class EngineKernels:
         out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
+
+    def join_planes(self, planes: np.ndarray, elements: np.ndarray) -> None:
+        """Write ``elements`` (uint8 ``[n, size]``, contiguous: the bytes of n elements of 2 or 4 bytes) from
+        their byte planes ``planes`` (uint8 ``[size, n]``, contiguous; plane 0 the most significant byte), on
+        the calling thread, the interpreter lock released."""
+        n, size = _check_planes("join_planes", planes, elements)
+        self._join_planes(planes.ctypes.data, elements.ctypes.data, n, size)
+
+    def split_planes(self, elements: np.ndarray, planes: np.ndarray) -> None:
+        """The inverse of :meth:`join_planes`: ``planes`` from ``elements``."""
+        n, size = _check_planes("split_planes", planes, elements)
+        self._split_planes(elements.ctypes.data, planes.ctypes.data, n, size)
 
     def select_tile_matmul(self, kind: str | None) -> str | None:
         """Run ``kind`` (``"amx"`` or ``"avx512-vnni"``) for :meth:`tile_matmul` from now on where this CPU has it,
@@ -259,6 +280,15 @@ class EngineKernels:
             tables.shape[1], lengths.data_ptr(), last.data_ptr(), last.shape[0], logits.data_ptr(),
             torch.get_num_threads()))
         return logits
+
+
+def _check_planes(kernel: str, planes: np.ndarray, elements: np.ndarray) -> tuple[int, int]:
+    """(n, size) of a join / split, or ValueError for arrays it cannot take."""
+    size, n = planes.shape if planes.ndim == 2 else (0, 0)
+    if not (size in (2, 4) and planes.dtype == elements.dtype == np.uint8 and elements.shape == (n, size)
+            and planes.flags.c_contiguous and elements.flags.c_contiguous):
+        raise ValueError(f"{kernel}: expected uint8 planes [2 or 4, n] and elements [n, size], both contiguous")
+    return n, size
 
 
 def _check_status(kernel: str, status: int) -> None:

@@ -334,11 +334,13 @@ class ModelRunner:
     """Owns a causal LM and its tokenizer. Not thread-safe: the engine worker is its only caller."""
 
     def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, info: ModelInfo,
-                 forward: LlamaForward | None = None) -> None:
+                 forward: LlamaForward | None = None, kernels: EngineKernels | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.info = info
         self.forward = forward
+        # The native kernels where they were built (the forward's, and the snapshot codec's byte planes).
+        self.kernels = kernels
         self._pool: KVPool | None = None
         # Whether warm_up captures the decode step as CUDA graphs (``[model] cuda_graphs`` on a CUDA device
         # with the compact forward; set by load), and the captured graphs once it has.
@@ -424,7 +426,7 @@ class ModelRunner:
         )
         log.info("loaded %s (%s weights, %s KV cache, %s) in %.1f s", name, weights, info.dtype_name, device,
                  info.load_s)
-        runner = cls(model, tokenizer, info, forward)
+        runner = cls(model, tokenizer, info, forward, kernels)
         runner.cuda_graphs = settings.cuda_graphs and device.type == "cuda" and forward is not None
         return runner
 

@@ -32,6 +32,7 @@ from chatd.engine.threads import confine_to_one_thread
 from chatd.errors import SnapshotModelMismatch
 from chatd.kv import policy
 from chatd.kv.snapshot import ModelFingerprint, allocate_targets, read_info, read_snapshot, write_snapshot
+from chatd.kv.snapshot_frames import PlaneKernels
 from chatd.kv.snapshot_store import SnapshotStore
 from chatd.stats import Counters
 
@@ -71,8 +72,9 @@ def ids_digest(token_ids: Sequence[int]) -> str:
 
 class SnapshotService:
     def __init__(self, settings: CacheSettings, folder: Path, index: SnapshotIndex, info: ModelInfo, *,
-                 counters: Counters | None = None) -> None:
+                 counters: Counters | None = None, kernels: PlaneKernels | None = None) -> None:
         self.settings = settings
+        self.kernels = kernels  # native byte-plane joins and splits, where the engine built them
         self.store = SnapshotStore(folder)
         self.index = index
         self.info = info
@@ -143,7 +145,8 @@ class SnapshotService:
 
         def write() -> int:
             return self.store.write(session_id, lambda f: write_snapshot(
-                f, self.fingerprint, ids, layers, level=self.settings.zstd_level, stored_dtype=stored))
+                f, self.fingerprint, ids, layers, level=self.settings.zstd_level, stored_dtype=stored,
+                kernels=self.kernels))
 
         file_bytes: int = await self._in_io(write)
         record = SnapshotRecord(
@@ -174,7 +177,8 @@ class SnapshotService:
         :func:`restore_targets`) on the I/O thread; return the file's size. Raises SnapshotError (the
         file is unusable: recompute) or OSError."""
         ids = list(token_ids)
-        return await self._in_io(read_snapshot_file, self.store.path_for(session_id), self.fingerprint, ids, targets)
+        return await self._in_io(read_snapshot_file, self.store.path_for(session_id), self.fingerprint, ids, targets,
+                                 self.kernels)
 
     def observe_restore(self, file_bytes: int, seconds: float) -> None:
         """Feed a measured restore throughput into the restore-vs-recompute estimate."""
@@ -223,11 +227,13 @@ def restore_targets(cache: SessionKV, token_ids: Sequence[int], fingerprint: Mod
     return direct if direct is not None else allocate_targets(fingerprint, len(token_ids))
 
 
-def read_snapshot_file(path: Path, fingerprint: ModelFingerprint, token_ids: Sequence[int], targets: Layers) -> int:
-    """I/O thread. Decode the snapshot file at ``path`` into ``targets``; return the file's size."""
+def read_snapshot_file(path: Path, fingerprint: ModelFingerprint, token_ids: Sequence[int], targets: Layers,
+                       kernels: PlaneKernels | None = None) -> int:
+    """I/O thread. Decode the snapshot file at ``path`` into ``targets`` (byte planes joined by ``kernels``
+    where given); return the file's size."""
     with path.open("rb") as f:
         read_snapshot(f, expected=fingerprint, expected_ids=token_ids, targets=targets,
-                      thread_setup=confine_to_one_thread)
+                      thread_setup=confine_to_one_thread, kernels=kernels)
         return f.tell()
 
 

@@ -9,7 +9,8 @@ any of it. That lets :class:`BodyDecoder` decode on several threads: each in tur
 (the stream is still read front to back), then checks, decompresses and unshuffles it while the others
 read and decode theirs (numpy, zstd and torch release the GIL for the heavy work). Version 1 frames
 follow each other bare, with one crc32 over all of them at the end; :func:`decode_body_v1` reads them
-one at a time on the calling thread.
+one at a time on the calling thread. Where the engine built its native kernels, slabs are split into byte
+planes and joined back by them (:class:`PlaneKernels`): one pass where numpy takes several.
 
 Memory stays bounded on both sides: the writer holds one slab's planes and one compressed frame; the
 v2 reader holds one compressed frame and one slab of planes per thread.
@@ -24,7 +25,7 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ _LITTLE_ENDIAN_HOST = sys.byteorder == "little"
 # Below this many body bytes (in the stored dtype) a v2 body is decoded on the calling thread alone:
 # starting threads would cost more than they save.
 PARALLEL_MIN_BYTES = 4 << 20
+_NATIVE_SIZES = (2, 4)  # element sizes PlaneKernels take
 
 
 def default_threads() -> int:
@@ -93,8 +95,25 @@ def _plane_columns(element_size: int) -> range:
     return range(element_size - 1, -1, -1) if _LITTLE_ENDIAN_HOST else range(element_size)
 
 
-def shuffle(slab: torch.Tensor, planes: np.ndarray) -> None:
+class PlaneKernels(Protocol):
+    """Native byte-plane joins and splits (``chatd.engine.native.EngineKernels`` is one): one pass over memory
+    where numpy takes several. Both take uint8 planes ``[E, n]`` (plane 0 the most significant byte) and the
+    elements' bytes ``[n, E]``, contiguous, for E of 2 or 4."""
+
+    def join_planes(self, planes: np.ndarray, elements: np.ndarray) -> None:
+        """elements <- planes."""
+        ...
+
+    def split_planes(self, elements: np.ndarray, planes: np.ndarray) -> None:
+        """planes <- elements."""
+        ...
+
+
+def shuffle(slab: torch.Tensor, planes: np.ndarray, kernels: PlaneKernels | None = None) -> None:
     """planes[p] <- byte p (most significant first) of every element of the contiguous slab."""
+    if kernels is not None and slab.element_size() in _NATIVE_SIZES:
+        kernels.split_planes(_byte_rows(slab), planes)
+        return
     if slab.element_size() == 2:  # bf16 / fp16: the planes are the high and low byte of each 16-bit word
         words = _words16(slab)
         np.right_shift(words, 8, out=planes[0], casting="unsafe")
@@ -106,8 +125,11 @@ def shuffle(slab: torch.Tensor, planes: np.ndarray) -> None:
         planes[plane] = rows[:, column]
 
 
-def unshuffle(planes: np.ndarray, slab: torch.Tensor) -> None:
+def unshuffle(planes: np.ndarray, slab: torch.Tensor, kernels: PlaneKernels | None = None) -> None:
     """Inverse of ``shuffle``: writes every byte of the contiguous slab from planes [E, n]."""
+    if kernels is not None and slab.element_size() in _NATIVE_SIZES:
+        kernels.join_planes(planes, _byte_rows(slab))
+        return
     if slab.element_size() == 2:
         # Whole words, (high << 8) | low, in two vectorised passes: ~2.5x faster than two strided byte
         # columns, and independent of the host's byte order.
@@ -137,7 +159,7 @@ def slabs(tensors: Layers, num_kv_heads: int) -> Iterator[torch.Tensor]:
 
 
 def encode_body(out: BinaryIO, layers: Layers, num_kv_heads: int, store_dtype: torch.dtype, level: int,
-                version: int) -> int:
+                version: int, kernels: PlaneKernels | None = None) -> int:
     """Write the body (after the header) of a version 1 or 2 snapshot; return the bytes written.
 
     One head slab at a time is converted to the stored dtype if needed, shuffled into byte planes and
@@ -152,7 +174,7 @@ def encode_body(out: BinaryIO, layers: Layers, num_kv_heads: int, store_dtype: t
         if slab.dtype != store_dtype or not slab.is_contiguous():
             staging.copy_(slab)  # rounds to nearest even when narrowing fp32 -> bf16
             slab = staging
-        shuffle(slab, scratch)
+        shuffle(slab, scratch, kernels)
         frame = compressor.compress(scratch.data)
         if version >= 2:
             word_sum = frame_sum(frame)
@@ -234,8 +256,10 @@ class BodyDecoder:
     :meth:`decode` returns or raises."""
 
     def __init__(self, inp: BinaryIO, targets: Layers, num_kv_heads: int, num_tokens: int, head_dim: int,
-                 store_dtype: torch.dtype, threads: int, thread_setup: Callable[[], None] | None = None) -> None:
+                 store_dtype: torch.dtype, threads: int, thread_setup: Callable[[], None] | None = None,
+                 kernels: PlaneKernels | None = None) -> None:
         self._inp = inp
+        self._kernels = kernels
         self._slabs = list(slabs(targets, num_kv_heads))
         self._store_dtype = store_dtype
         element_size = torch.empty((), dtype=store_dtype).element_size()
@@ -344,9 +368,9 @@ class BodyDecoder:
             raise SnapshotCorrupt(f"body frame {index}: {exc}") from None
         slab = self._slabs[index]
         if slab.dtype == self._store_dtype and slab.is_contiguous():  # unshuffle in place
-            unshuffle(worker.planes, slab)
+            unshuffle(worker.planes, slab, self._kernels)
         else:
-            unshuffle(worker.planes, worker.staging)
+            unshuffle(worker.planes, worker.staging, self._kernels)
             slab.copy_(worker.staging)  # exact: a strided copy, or bf16 -> fp32 widening
 
     def _check_end(self) -> None:
@@ -429,7 +453,7 @@ class _FrameReaderV1:
 
 
 def decode_body_v1(inp: BinaryIO, targets: Layers, num_kv_heads: int, num_tokens: int, head_dim: int,
-                   store_dtype: torch.dtype) -> None:
+                   store_dtype: torch.dtype, kernels: PlaneKernels | None = None) -> None:
     """Decode a version 1 body into the targets, one frame at a time on the calling thread."""
     staging = torch.empty((num_tokens, head_dim), dtype=store_dtype)  # [seq, head_dim]
     planes = np.empty((staging.element_size(), staging.numel()), dtype=np.uint8)  # [E, n] byte planes
@@ -438,8 +462,8 @@ def decode_body_v1(inp: BinaryIO, targets: Layers, num_kv_heads: int, num_tokens
     for index, slab in enumerate(slabs(targets, num_kv_heads)):
         reader.read_frame(flat, index)
         if slab.dtype == store_dtype and slab.is_contiguous():  # unshuffle in place, no staging copy
-            unshuffle(planes, slab)
+            unshuffle(planes, slab, kernels)
         else:
-            unshuffle(planes, staging)
+            unshuffle(planes, staging, kernels)
             slab.copy_(staging)  # exact: a strided copy, or bf16 -> fp32 widening
     reader.check_end()
