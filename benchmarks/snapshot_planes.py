@@ -3,11 +3,11 @@
     python -m benchmarks.snapshot_planes [--tokens 2048] [--rounds 3] [--samples 5]
 
 The packaged model prefills ``--tokens`` tokens of the benchmark corpus; its cache is written to a
-snapshot file, then restored through the production path (chatd.kv.persistence: targets, decode,
-finish) into the engine's KV pool, on one decode thread and on the default number. Cold restores drop
-the file's pages from the page cache first. The two settings take turns, ``--rounds`` rounds of
-``--samples`` each, so a disturbance on a shared machine falls on both; medians are printed as a
-Markdown table, with numpy's time divided by the native one's.
+snapshot file, then restored the way figure 1 restores it (``benchmarks.snapshots.restore_file``: the KV
+manager's three steps, on the default decode threads) into the engine's KV pool. Cold restores drop the
+file's pages from the page cache first. The two settings take turns, ``--rounds`` rounds of ``--samples``
+each, so a disturbance on a shared machine falls on both; medians are printed as a Markdown table, with
+numpy's time divided by the native one's.
 """
 
 from __future__ import annotations
@@ -21,28 +21,11 @@ import time
 from pathlib import Path
 
 from benchmarks.common import Bench, Corpus, plan_for
-from benchmarks.snapshots import drop_page_cache, prefill_chunked, prefix_layers
+from benchmarks.snapshots import drop_page_cache, prefill_chunked, prefix_layers, restore_file
 from chatd.config import ModelSettings
-from chatd.engine.runner import ModelRunner
-from chatd.engine.threads import confine_to_one_thread
-from chatd.kv.persistence import fingerprint_of, finish_restore, restore_targets
-from chatd.kv.snapshot import ModelFingerprint, read_snapshot, write_snapshot
+from chatd.kv.persistence import fingerprint_of
+from chatd.kv.snapshot import write_snapshot
 from chatd.kv.snapshot_frames import PlaneKernels, default_threads
-
-
-def restore_ms(runner: ModelRunner, fingerprint: ModelFingerprint, path: Path, ids: list[int], threads: int,
-               kernels: PlaneKernels | None) -> float:
-    cache = runner.new_cache()
-    cache.reserve(len(ids))
-    started = time.perf_counter()
-    targets = restore_targets(cache, ids, fingerprint)
-    with path.open("rb") as f:
-        read_snapshot(f, expected=fingerprint, expected_ids=ids, targets=targets, threads=threads,
-                      thread_setup=confine_to_one_thread, kernels=kernels)
-    finish_restore(cache, targets)
-    elapsed = (time.perf_counter() - started) * 1000
-    cache.free()
-    return elapsed
 
 
 def main() -> None:
@@ -69,7 +52,6 @@ def main() -> None:
             f.flush()
             os.fsync(f.fileno())
         settings: dict[str, PlaneKernels | None] = {"numpy": None, "native": runner.kernels}
-        thread_counts = sorted({1, default_threads()})
         samples: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.rounds):
             for name, kernels in settings.items():
@@ -78,18 +60,17 @@ def main() -> None:
                     started = time.perf_counter()
                     write_snapshot(out, fingerprint, ids, layers, kernels=kernels)
                     samples.setdefault((name, "write"), []).append((time.perf_counter() - started) * 1000)
-                for threads in thread_counts:
+                for kind in ("warm", "cold"):
                     for _ in range(args.samples):
-                        warm = restore_ms(runner, fingerprint, path, ids, threads, kernels)
-                        samples.setdefault((name, f"restore warm, {threads} thread(s)"), []).append(warm)
-                    for _ in range(args.samples):
-                        drop_page_cache(path)
-                        cold = restore_ms(runner, fingerprint, path, ids, threads, kernels)
-                        samples.setdefault((name, f"restore cold, {threads} thread(s)"), []).append(cold)
+                        if kind == "cold":
+                            drop_page_cache(path)
+                        restored, seconds = restore_file(bench, runner, fingerprint, path, ids, kernels)
+                        restored.free()
+                        samples.setdefault((name, f"restore {kind}"), []).append(seconds * 1000)
         cache.free()
 
-    print(f"{args.tokens} tokens, {runner.info.dtype_name} KV, snapshot {size / 1e6:.1f} MB; medians of "
-          f"{args.rounds * args.samples} samples, ms")
+    print(f"{args.tokens} tokens, {runner.info.dtype_name} KV, snapshot {size / 1e6:.1f} MB, "
+          f"{default_threads()} decode threads; medians of {args.rounds * args.samples} samples, ms")
     print()
     print("| step | numpy | native | numpy / native |")
     print("| --- | --- | --- | --- |")

@@ -55,15 +55,15 @@ def drop_page_cache(path: Path) -> bool:
 
 
 def restore_file(bench: Bench, runner: ModelRunner, fingerprint: ModelFingerprint, path: Path,
-                 ids: Sequence[int]) -> tuple[SessionKV, float]:
+                 ids: Sequence[int], kernels: PlaneKernels | None) -> tuple[SessionKV, float]:
     """Restore a snapshot file through the KV manager's own three steps (chatd.kv.persistence:
-    targets, decode, finish), into a cache preallocated before the clock starts, like the manager's.
-    Returns (cache, seconds)."""
+    targets, decode, finish), into a cache preallocated before the clock starts, like the manager's;
+    the byte planes joined by ``kernels`` (the server passes ``runner.kernels``). Returns (cache, seconds)."""
     cache = runner.new_cache()
     cache.reserve(len(ids))
     with timed(bench) as t:
         targets = restore_targets(cache, ids, fingerprint)
-        read_snapshot_file(path, fingerprint, ids, targets, runner.kernels)
+        read_snapshot_file(path, fingerprint, ids, targets, kernels)
         finish_restore(cache, targets)
     return cache, t[0]
 
@@ -105,13 +105,13 @@ def run_restore_vs_prefill(bench: Bench, corpus: Corpus) -> tuple[Figure, Sessio
         exact = True
         for _ in range(bench.plan.repeats):
             cold_ok = drop_page_cache(path) and cold_ok
-            restored, seconds = restore_file(bench, runner, fingerprint, path, ids[:n])
+            restored, seconds = restore_file(bench, runner, fingerprint, path, ids[:n], runner.kernels)
             cold.append(seconds)
             exact = exact and tensors_equal(restored.filled_layers(), [(k[:, :n], v[:, :n])
                                                                        for k, v in cache.filled_layers()])
             restored.free()
         for _ in range(bench.plan.repeats):
-            restored, seconds = restore_file(bench, runner, fingerprint, path, ids[:n])
+            restored, seconds = restore_file(bench, runner, fingerprint, path, ids[:n], runner.kernels)
             warm.append(seconds)
             restored.free()
         fig.rows.append({
