@@ -55,6 +55,10 @@ class ModelSettings(_Section):
     """Long prefills run in chunks of this many tokens so other sessions keep decoding in between."""
     max_batch_size: int = Field(default=16, ge=1, le=256)
     """Most sequences decoded together in one forward pass."""
+    huge_pages: bool = True
+    """On Linux, ask for transparent huge pages under the CPU's packed weights and KV pool (madvise; nothing
+    changes where the system says ``never``): fewer TLB misses when a decode step streams them
+    (docs/performance.md). false leaves them on the kernel's default pages."""
     cuda_graphs: bool = True
     """On CUDA with the compact forward: capture the decode step as CUDA graphs at start-up (one per bucket of
     batch size and context width) and replay them every token. false runs every step eagerly."""

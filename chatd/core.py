@@ -133,6 +133,7 @@ class Chatd:
             if settings.model.max_context and settings.model.max_context < info.max_context:
                 info = dataclasses.replace(info, max_context=settings.model.max_context)
             runner = ModelRunner(runner.model, runner.tokenizer, info, runner.forward, runner.kernels)
+            runner.huge_pages = settings.model.huge_pages and info.device.type == "cpu"
             runner.configure_pool(budget_bytes)
         engine = db.create_engine(settings.store_url, echo=settings.store.echo)
         repo = Repo(db.make_sessionmaker(engine))

@@ -309,6 +309,28 @@ class LlamaForward:
         self.native_steps = 0
         """Steps run as one native call (EngineKernels.forward_step)."""
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the forward reads its weights from (the projections' packed or dense weights and
+        their scales, the embedding, the norms): the memory a step streams, for :mod:`chatd.engine.hugepages`."""
+        found: dict[int, torch.Tensor] = {}
+
+        def add(owner: object) -> None:
+            if isinstance(owner, torch.Tensor):
+                found[id(owner)] = owner
+            elif isinstance(owner, torch.nn.Module):
+                for tensor in (*owner.parameters(), *owner.buffers()):
+                    found[id(tensor)] = tensor
+            for value in getattr(owner, "__dict__", {}).values():
+                if isinstance(value, torch.Tensor):
+                    found[id(value)] = value
+
+        w = self.weights
+        for owner in (w.embed, w.norm, w.lm_head, *(getattr(layer, name) for layer in w.layers
+                                                   for name in ("attn_norm", "qkv", "o", "ffn_norm", "gate_up",
+                                                                "down"))):
+            add(owner)
+        return list(found.values())
+
     # ------------------------------------------------------------------ pieces
 
     def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ from transformers.utils import logging as hf_logging
 
 from chatd.config import ModelSettings
 from chatd.engine.graphs import DecodeGraphs
+from chatd.engine.hugepages import advise_huge_pages
 from chatd.engine.kvcache import BLOCK_SIZE, KVPool, SessionKV, any_layer_kv, appending
 from chatd.engine.llama import (
     DenseLinear,
@@ -346,6 +347,9 @@ class ModelRunner:
         # with the compact forward; set by load), and the captured graphs once it has.
         self.cuda_graphs = False
         self.graphs: DecodeGraphs | None = None
+        # Whether the CPU's packed weights and KV pool ask for transparent huge pages (``[model] huge_pages``;
+        # set by load, which advises the weights; configure_pool advises each new pool).
+        self.huge_pages = False
 
     @classmethod
     def load(cls, settings: ModelSettings, data_dir: Path) -> ModelRunner:
@@ -428,6 +432,11 @@ class ModelRunner:
                  info.load_s)
         runner = cls(model, tokenizer, info, forward, kernels)
         runner.cuda_graphs = settings.cuda_graphs and device.type == "cuda" and forward is not None
+        runner.huge_pages = settings.huge_pages and device.type == "cpu"
+        if runner.huge_pages and forward is not None:
+            advice = advise_huge_pages(forward.weight_tensors())
+            log.info("huge pages asked for under the weights: %d regions of 2 MiB (%d collapsed now)",
+                     advice.regions, advice.collapsed)
         return runner
 
     def configure_pool(self, budget_bytes: int) -> KVPool:
@@ -442,6 +451,8 @@ class ModelRunner:
         i = self.info
         self._pool = KVPool.for_budget(budget_bytes, i.num_layers, i.num_kv_heads, i.head_dim, i.dtype, i.device,
                                        salt=f"{i.weights_hash}:{i.dtype_name}")
+        if self.huge_pages:  # before the pool's pages are first written: they fault in as huge pages
+            advise_huge_pages([self._pool.tensors.kv])
         return self._pool
 
     @property

@@ -1,0 +1,122 @@
+"""Transparent huge pages for the engine's large CPU tensors.
+
+Every decode step streams the packed weights and reads each running session's K/V blocks, scattered over
+the KV pool. On the kernel's default 4 KiB pages that is one TLB entry per 4 KiB: a 2,048-token session's
+K/V (bf16, the packaged model) alone spans ~11,500 pages per step, and the hardware prefetchers stop at each
+page's end. On 2 MiB pages the whole pool of a few hundred MB is a few hundred entries.
+
+Linux hands out huge pages to anonymous memory either always or only where a range asks for them
+(``/sys/kernel/mm/transparent_hugepage/enabled`` = ``always`` / ``madvise`` / ``never``; most
+distributions ship ``madvise``). :func:`advise_huge_pages` asks, per 2 MiB region that the tensors occupy:
+
+* ``MADV_HUGEPAGE``, so the pages that are still unwritten (a fresh KV pool) are faulted in as huge pages;
+* then ``MADV_COLLAPSE`` (Linux 6.1+), which copies already written pages (packed weights) into huge pages
+  now rather than whenever the kernel's background scanner gets there. It fails on a region with nothing
+  written yet, which is fine: the first advice covers those.
+
+A region that the tensors share with other memory of the process is advised whole: that memory only gets
+bigger pages. Where the system says ``never``, or the calls do not exist (not Linux, an old kernel), nothing
+changes. Measured in docs/performance.md ("Huge pages for the weights and the KV pool").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+MIN_BYTES = 1 << 20
+"""Tensors smaller than this are left alone (a huge page would be mostly other memory)."""
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode(path: Path = _THP_ENABLED) -> str:
+    """The system's transparent huge page mode: ``always``, ``madvise`` or ``never``; ``""`` where there is
+    none to read (not Linux)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return ""
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return ""
+
+
+@dataclass(frozen=True)
+class HugePageAdvice:
+    regions: int
+    """2 MiB regions advised (``MADV_HUGEPAGE`` accepted)."""
+    collapsed: int
+    """Of those, regions whose written pages were copied into a huge page at once (``MADV_COLLAPSE``)."""
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return None
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise.restype = ctypes.c_int
+    madvise: Callable[[int, int, int], int] = _libc.madvise
+    return madvise
+
+
+def advise_huge_pages(tensors: Iterable[torch.Tensor], *, min_bytes: int = MIN_BYTES) -> HugePageAdvice:
+    """Ask for huge pages under the CPU memory of ``tensors`` (each of ``min_bytes`` or more; others, and
+    tensors on other devices, are skipped). Never raises: a region the kernel refuses stays as it was."""
+    madvise = _madvise()
+    if madvise is None or thp_mode() in ("", "never"):
+        return HugePageAdvice(0, 0)
+    regions: set[int] = set()
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        start, size = storage.data_ptr(), storage.nbytes()
+        if size < min_bytes:
+            continue
+        regions.update(range(start // HUGE_PAGE, (start + size - 1) // HUGE_PAGE + 1))
+    advised = collapsed = 0
+    for region in sorted(regions):
+        if madvise(region * HUGE_PAGE, HUGE_PAGE, _MADV_HUGEPAGE) != 0:
+            continue
+        advised += 1
+        collapsed += madvise(region * HUGE_PAGE, HUGE_PAGE, _MADV_COLLAPSE) == 0
+    return HugePageAdvice(advised, collapsed)
+
+
+def huge_page_bytes(tensor: torch.Tensor, smaps: Path = Path("/proc/self/smaps")) -> int:
+    """Bytes of huge pages (``AnonHugePages``) in the process's mappings that overlap ``tensor``'s memory,
+    0 where the system does not say (not Linux). For tests and start-up logs: a mapping may hold more than
+    the tensor."""
+    try:
+        lines = smaps.read_text().splitlines()
+    except OSError:
+        return 0
+    storage = tensor.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    total, overlaps = 0, False
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "lo-hi perms ..."
+            lo, _, hi = head.partition("-")
+            overlaps = int(lo, 16) < end and int(hi, 16) > start
+        elif overlaps and head == "AnonHugePages:":
+            total += int(line.split()[1]) * 1024
+    return total
