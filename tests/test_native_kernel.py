@@ -475,6 +475,34 @@ def test_under_amx_calls_of_few_rows_run_the_vector_kernel_and_many_the_tiles(ke
         kernel.amx_min_rows = 0
 
 
+def test_under_amx_a_call_of_many_rows_equals_its_rows_in_calls_of_64(kernel: EngineKernels) -> None:
+    """Calls of more than 64 rows run AMX's second kernel (each weight dequantised once per call, slices of x
+    paired against pairs of output groups, the last slice partial or a slice alone): every row's sums run in
+    the same order as in the one-pass kernel of calls up to 64 rows, so the results are equal bit for bit, for
+    Q4_1 and Q8_0 weights, an odd number of output groups included."""
+    if kernel.select_tile_matmul("amx") != "amx":
+        kernel.select_tile_matmul(None)
+        pytest.skip("this CPU has no AMX tiles")
+    generator = torch.Generator().manual_seed(12)
+    q8 = Q8_0Weight(scale=(torch.rand(80, 96, generator=generator) * 0.01).half(),
+                    quants=torch.randint(-128, 128, (80, 3072), generator=generator, dtype=torch.int8))
+    default = kernel.amx_min_rows
+    kernel.amx_min_rows = 1  # the last rows' call may be short: on the tiles too
+    try:
+        for weight, n, k, is_q8 in ((_q4_weight(48, 576, 5), 48, 576, False),
+                                    (_q4_weight(576, 1536, 6), 576, 1536, False), (q8, 80, 3072, True)):
+            tiles = pack_for("amx", weight)
+            for m in (65, 80, 96, 100, 150, 272):
+                x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
+                together = kernel.tile_matmul(x, tiles, n, q8=is_q8)
+                apart = torch.cat([kernel.tile_matmul(x[i:i + 64].contiguous(), tiles, n, q8=is_q8)
+                                   for i in range(0, m, 64)])
+                assert torch.equal(together, apart), (n, k, m)
+    finally:
+        kernel.select_tile_matmul(None)
+        kernel.amx_min_rows = default
+
+
 def test_the_tile_linear_refuses_a_kernel_its_weights_are_not_packed_for(kernel: EngineKernels) -> None:
     if not kernel.tile_matmul_kind:
         pytest.skip("this CPU has neither AMX tiles nor AVX512-VNNI")
