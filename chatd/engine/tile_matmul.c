@@ -125,13 +125,9 @@ static int amx_ready(void)
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-/* Calls of up to 64 rows: one pass, a group of 16 outputs at a time. Tiles 0..3: accumulators (16 fp32 per
- * row), one per 16-row slice of x; 4: a full slice of x; 5: the last slice when it is partial (it and its
- * accumulator have that many rows); 6 and 7: dequantised weight tiles (16 pair rows of 32 bf16), alternate
- * input blocks, so one block's dequantisation overlaps the previous block's multiplication. */
-static void configure_pass(int rows)
+/* Every tile 16 rows of 64 bytes. */
+static struct tile_config full_tiles(void)
 {
-    const int full = rows / 16, tail_rows = rows % 16;
     struct tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -139,6 +135,17 @@ static void configure_pass(int rows)
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
+    return cfg;
+}
+
+/* Calls of up to 64 rows: one pass, a group of 16 outputs at a time. Tiles 0..3: accumulators (16 fp32 per
+ * row), one per 16-row slice of x; 4: a full slice of x; 5: the last slice when it is partial (it and its
+ * accumulator have that many rows); 6 and 7: dequantised weight tiles (16 pair rows of 32 bf16), alternate
+ * input blocks, so one block's dequantisation overlaps the previous block's multiplication. */
+static void configure_pass(int rows)
+{
+    const int full = rows / 16, tail_rows = rows % 16;
+    struct tile_config cfg = full_tiles();
     if (tail_rows > 0) {
         cfg.rows[5] = (uint8_t)tail_rows;
         cfg.rows[full] = (uint8_t)tail_rows;
@@ -222,13 +229,7 @@ static void one_pass_matmul(const uint16_t *x, int m, int k, const uint8_t *tile
  * except tiles 2, 3 and 5 in the last pass where the last slice is partial (``last_rows``). */
 static void configure_pairs(int last_rows)
 {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
+    struct tile_config cfg = full_tiles();
     cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)last_rows;
     _tile_loadconfig(&cfg);
 }
