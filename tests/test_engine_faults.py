@@ -7,6 +7,7 @@ escaped the engine thread, and no session got a reply again.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -152,6 +153,41 @@ async def test_small_steps_run_on_the_decode_thread_count(tiny_runner: ModelRunn
     finally:
         torch.set_num_threads(before)
     assert seen == {"wide": {2}, "small": {1}}
+
+
+async def test_a_prompt_whose_rest_is_a_little_over_the_step_budget_finishes_in_that_step(
+        tiny_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step takes up to ``prefill_chunk_tokens`` prompt tokens, but a prompt whose rest exceeds what is left by
+    at most PREFILL_SLACK of the budget goes in whole (its first token a step sooner); a longer rest is split
+    at the budget as before."""
+    steps: list[list[int]] = []
+    real_step = tiny_runner.step
+
+    def step(caches: Any, runs: Any) -> torch.Tensor:
+        steps.append([len(run) for run in runs])
+        return real_step(caches, runs)
+
+    monkeypatch.setattr(tiny_runner, "step", step)
+    worker = EngineWorker(tiny_runner, prefill_chunk_tokens=64)  # a slack of 8 tokens
+    worker.start()
+    try:
+        async def run(lengths: list[int]) -> None:
+            gate = threading.Event()
+            worker.submit(lambda: gate.wait(30))  # all the prompts are queued before the next step
+            handles = [worker.generate(tiny_runner.new_cache(), [(5 * i + j) % 200 + 10 for j in range(n)],
+                                       SamplingParams(max_tokens=1)) for i, n in enumerate(lengths)]
+            gate.set()
+            for handle in handles:
+                events = [event async for event in handle.events()]
+                assert isinstance(events[-1], GenerationResult)
+
+        await run([30, 30, 12])  # 72 = 64 + 8: one step
+        await run([30, 30, 13])  # 73: the last prompt's 4 over the slack wait for the next step
+        await run([70])
+        await run([73])
+    finally:
+        worker.stop()
+    assert steps == [[30, 30, 12], [30, 30, 4], [9], [70], [64], [9]]
 
 
 async def test_a_steps_events_reach_the_loop_in_one_call(tiny_runner: ModelRunner,
