@@ -172,6 +172,9 @@ class PoolFacts:
     """Bytes the sessions' tokens would take without sharing."""
     hit_ratio: float
     """Of the prompt tokens looked up in the pool when a cache starts, the share found there."""
+    populated: bool
+    """False while a thread still faults the pool's pages in ahead of use (huge pages); steps meanwhile may
+    wait for page faults and share the cores with it."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,7 @@ def build_stats(*, counters: Counters, tiers: Tiers, kv: KVManager, snapshots: S
     pool = PoolFacts(block_size=blocks.block_size, num_blocks=blocks.num_blocks, used_blocks=blocks.num_used_blocks,
                      cached_blocks=blocks.num_cached_blocks, shared_blocks=blocks.num_shared_blocks,
                      unique_bytes=blocks.num_used_blocks * kv.pool.bytes_per_block,
-                     logical_bytes=blocks.num_logical_tokens * kv.pool.bytes_per_token, hit_ratio=blocks.hit_ratio)
+                     logical_bytes=blocks.num_logical_tokens * kv.pool.bytes_per_token, hit_ratio=blocks.hit_ratio,
+                     populated=kv.pool.populated)
     return Stats(model=model, tiers=uses, pool=pool, num_sessions=num_sessions, num_generating=num_generating,
                  counters=counters.copy())

@@ -1,7 +1,8 @@
 """Transparent huge pages under the engine's CPU tensors (chatd/engine/hugepages.py): the system's mode read
 from sysfs; a fresh tensor advised before it is written, and one advised after, end up on huge pages where the
 system lends them on request (``madvise``, this project's machines); a loaded runner's weights and its KV
-pool do, and a runner told not to leaves its pool on small pages."""
+pool do, and a runner told not to leaves its pool on small pages. A pool's pages are faulted in ahead of use
+by a thread, its contents untouched."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from chatd.engine.hugepages import HUGE_PAGE, advise_huge_pages, huge_page_bytes, thp_mode
+from chatd.engine.hugepages import HUGE_PAGE, advise_huge_pages, huge_page_bytes, populate_in_background, thp_mode
 from chatd.engine.runner import ModelRunner
 
 MODE = thp_mode()
@@ -53,6 +54,39 @@ def test_small_tensors_are_left_alone() -> None:
     assert advise_huge_pages([torch.ones(1000), torch.ones(HUGE_PAGE // 16)]).regions == 0
 
 
+def _resident_bytes(tensor: torch.Tensor) -> int:
+    """Rss of the mappings that overlap ``tensor``'s memory (/proc/self/smaps)."""
+    storage = tensor.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, _, hi = head.partition("-")
+            overlaps = int(lo, 16) < end and int(hi, 16) > start
+        elif overlaps and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_tensor_is_populated_in_the_background_with_its_contents_kept() -> None:
+    tensor = torch.empty(64 << 20, dtype=torch.uint8)  # a fresh mapping: nothing written yet
+    advise_huge_pages([tensor])
+    tensor[: 1 << 20] = 7  # in use already: the first MiB written
+    tensor[-4096:] = 9
+    before = _resident_bytes(tensor)
+    assert before < 32 << 20  # most of it not faulted in yet
+    thread = populate_in_background(tensor, chunk=8 << 20)
+    assert thread is not None
+    thread.join(60)
+    assert not thread.is_alive()
+    assert _resident_bytes(tensor) >= 64 << 20  # every page faulted in, without writing
+    assert torch.all(tensor[: 1 << 20] == 7) and torch.all(tensor[-4096:] == 9)
+    if LENDS:
+        assert huge_page_bytes(tensor) >= 60 << 20
+    assert populate_in_background(torch.empty(4, device="meta")) is None  # not CPU memory: nothing to do
+
+
 def _fresh_pool_runner(runner: ModelRunner, huge_pages: bool) -> ModelRunner:
     """The same model and forward over a new pool of its own."""
     other = ModelRunner(runner.model, runner.tokenizer, runner.info, runner.forward, runner.kernels)
@@ -80,5 +114,11 @@ def test_a_runner_puts_its_weights_and_pool_on_huge_pages_unless_told_not_to(rea
             assert on_huge >= 2 * HUGE_PAGE
         if not huge_pages and MODE == "madvise":
             assert on_huge == 0
+        # With huge pages a thread faults the pool's pages in ahead of use (each would cost the step that first
+        # writes it a 2 MiB allocation); without, they fault in on use.
+        assert (runner.pool.populating is not None) == huge_pages
+        assert runner.pool.wait_populated(60)
+        if huge_pages:
+            assert _resident_bytes(runner.pool.tensors.kv) >= 60 << 20
     if LENDS:
         assert sum(huge_page_bytes(t) > 0 for t in weights) >= len(forward.weights.layers)

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import itertools
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -61,6 +62,19 @@ class KVPool:
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # The thread faulting the pool's pages in ahead of use, where the runner started one (huge pages).
+        self.populating: threading.Thread | None = None
+
+    @property
+    def populated(self) -> bool:
+        """Whether no thread is still faulting the pool's pages in (pages not populated ahead fault in on use)."""
+        return self.populating is None or not self.populating.is_alive()
+
+    def wait_populated(self, timeout: float | None = None) -> bool:
+        """Wait for the pages to be populated (benchmarks: not to time steps beside it); whether they are."""
+        if self.populating is not None:
+            self.populating.join(timeout)
+        return self.populated
 
     @classmethod
     def for_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

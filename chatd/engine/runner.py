@@ -38,7 +38,7 @@ from transformers.utils import logging as hf_logging
 
 from chatd.config import ModelSettings
 from chatd.engine.graphs import DecodeGraphs
-from chatd.engine.hugepages import advise_huge_pages
+from chatd.engine.hugepages import advise_huge_pages, populate_in_background
 from chatd.engine.kvcache import BLOCK_SIZE, KVPool, SessionKV, any_layer_kv, appending
 from chatd.engine.llama import (
     DenseLinear,
@@ -348,7 +348,8 @@ class ModelRunner:
         self.cuda_graphs = False
         self.graphs: DecodeGraphs | None = None
         # Whether the CPU's packed weights and KV pool ask for transparent huge pages (``[model] huge_pages``;
-        # set by load, which advises the weights; configure_pool advises each new pool).
+        # set by load, which advises the weights; configure_pool advises each new pool and populates it ahead of
+        # use: KVPool.populating).
         self.huge_pages = False
 
     @classmethod
@@ -451,8 +452,9 @@ class ModelRunner:
         i = self.info
         self._pool = KVPool.for_budget(budget_bytes, i.num_layers, i.num_kv_heads, i.head_dim, i.dtype, i.device,
                                        salt=f"{i.weights_hash}:{i.dtype_name}")
-        if self.huge_pages:  # before the pool's pages are first written: they fault in as huge pages
+        if self.huge_pages:  # before the pool's pages are first written: they fault in as huge pages, ahead of use
             advise_huge_pages([self._pool.tensors.kv])
+            self._pool.populating = populate_in_background(self._pool.tensors.kv)
         return self._pool
 
     @property

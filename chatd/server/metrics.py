@@ -55,6 +55,9 @@ class _StatsCollector(Collector):
                                 value=pool.logical_bytes)
         yield GaugeMetricFamily("chatd_kv_prefix_hit_ratio", "Share of looked-up prompt tokens found in the pool",
                                 value=pool.hit_ratio)
+        yield GaugeMetricFamily("chatd_kv_pool_populated",
+                                "1 once the KV pool's pages are faulted in (0 while a thread still does it)",
+                                value=int(pool.populated))
 
         c = stats.counters
         for name, doc, value in (
