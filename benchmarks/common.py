@@ -197,6 +197,7 @@ class Bench:
             self._runner = ModelRunner.load(
                 ModelSettings(source=str(folder), device=self.device, dtype=self.dtype,  # type: ignore[arg-type]
                               threads=self.threads), folder)
+            self._runner.pool.wait_populated()  # timed steps do not share the cores with it
         return self._runner
 
     def model_settings(self) -> dict[str, Any]:

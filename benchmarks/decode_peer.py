@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         weights, _, kv = entry.partition("/")
         settings = ModelSettings(source="packaged", weights=weights, dtype=kv or "auto", threads=args.threads)
         runners[entry] = ModelRunner.load(settings, CACHE_DIR / "data")
+        runners[entry].pool.wait_populated()  # timed steps do not share the cores with it
     any_runner = next(iter(runners.values()))
     batches = [int(b) for b in args.batch.split(",") if b and int(b) > 1]
     cases = [(c, 1) for c in contexts] + [(min(contexts), b) for b in batches]

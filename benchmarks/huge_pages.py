@@ -43,6 +43,7 @@ def child(weights: str, huge_pages: bool, tokens: int, threads: int) -> None:
     packaged_model_dir()
     runner = ModelRunner.load(ModelSettings(source="packaged", weights=weights, threads=threads,
                                             huge_pages=huge_pages), CACHE_DIR / "data")
+    runner.pool.wait_populated()  # timed steps do not share the cores with it
     rates = {}
     for context, batch in CASES:
         prompt = prompt_ids(runner, context)

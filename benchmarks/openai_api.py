@@ -94,6 +94,7 @@ def run_openai_resend(bench: Bench, corpus: Corpus) -> Figure:
     server = ServerProcess(bench.subdir("openai"), bench.model_dir(), model=bench.model_settings(),
                            cache={"device_budget_mb": 4096, "share_prefixes": False}).start(timeout=300)
     try:
+        server.wait_pool_populated()
         with httpx.Client(base_url=server.http_url, timeout=600) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
             reply_tokens = bench.plan.reply_tokens

@@ -50,7 +50,13 @@ def start_server(bench: Bench) -> ServerProcess:
     # Large budget and no background maintenance: eviction is figure 7's subject, not this one's.
     server = ServerProcess(bench.subdir("server"), bench.model_dir(), model=bench.model_settings(),
                            cache={"device_budget_mb": 4096})
-    return server.start(timeout=300)
+    server.start(timeout=300)
+    try:
+        server.wait_pool_populated()
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 async def _stream(client: ChatClient, session_id: str, content: str, max_tokens: int) -> dict[str, Any]:
@@ -166,6 +172,7 @@ def _direct_worker(args: argparse.Namespace) -> int:
     folder = packaged_model_dir()
     runner = ModelRunner.load(ModelSettings(source=str(folder), device=args.device, dtype=args.dtype,
                                             threads=args.threads), folder)
+    runner.pool.wait_populated()  # timed steps do not share the cores with it
 
     def sync() -> None:
         if args.device == "cuda":

@@ -127,6 +127,18 @@ class ServerProcess(LoopbackServer):
         self.kill()
         raise RuntimeError(f"chatd serve did not become healthy:\n{self.log_path.read_text()[-3000:]}")
 
+    def wait_pool_populated(self, timeout: float = 120.0) -> None:
+        """Wait until the server's KV pool is faulted in (``/admin/stats`` pool.populated), so that timings
+        taken from now on do not share the cores with that."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            response = httpx.get(f"{self.http_url}/admin/stats", headers=self.admin_headers, timeout=10)
+            response.raise_for_status()
+            if response.json()["pool"]["populated"]:
+                return
+            time.sleep(0.2)
+        raise RuntimeError("the server's KV pool was not populated in time")
+
     def kill(self) -> None:
         """SIGKILL: the process gets no chance to clean up."""
         if self.process is not None and self.process.poll() is None:
