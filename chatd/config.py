@@ -58,7 +58,8 @@ class ModelSettings(_Section):
     huge_pages: bool = True
     """On Linux, ask for transparent huge pages under the CPU's packed weights and KV pool (madvise; nothing
     changes where the system says ``never``): fewer TLB misses when a decode step streams them
-    (docs/performance.md). false leaves them on the kernel's default pages."""
+    (docs/performance.md). A thread then faults the whole pool in, ahead of use, so its memory is resident from
+    the first seconds. false leaves them on the kernel's default pages."""
     cuda_graphs: bool = True
     """On CUDA with the compact forward: capture the decode step as CUDA graphs at start-up (one per bucket of
     batch size and context width) and replay them every token. false runs every step eagerly."""
