@@ -178,8 +178,10 @@ class Chatd:
                 # Its tensors are no longer trusted; stored messages let those sessions recompute.
                 log.warning("the engine thread had died: resident caches were not snapshotted")
         finally:
-            self.worker.stop()
+            stopped = self.worker.stop()
             self.snapshots.close()
+            if stopped:  # nothing reads the KV pool any more: its memory goes now, not at a later collection
+                self.runner.release_pool()
             await self.repo.close()
             await self.engine.dispose()
 

@@ -2,15 +2,25 @@
 from sysfs; a fresh tensor advised before it is written, and one advised after, end up on huge pages where the
 system lends them on request (``madvise``, this project's machines); a loaded runner's weights and its KV
 pool do, and a runner told not to leaves its pool on small pages. A pool's pages are faulted in ahead of use
-by a thread, its contents untouched."""
+by a thread, its contents untouched, and given back to the system when its server closes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from chatd.engine.hugepages import HUGE_PAGE, advise_huge_pages, huge_page_bytes, populate_in_background, thp_mode
+from chatd.config import Settings
+from chatd.core import Chatd
+from chatd.engine.hugepages import (
+    HUGE_PAGE,
+    advise_huge_pages,
+    huge_page_bytes,
+    populate_in_background,
+    release_pages,
+    thp_mode,
+)
 from chatd.engine.runner import ModelRunner
 
 MODE = thp_mode()
@@ -122,3 +132,27 @@ def test_a_runner_puts_its_weights_and_pool_on_huge_pages_unless_told_not_to(rea
             assert _resident_bytes(runner.pool.tensors.kv) >= 60 << 20
     if LENDS:
         assert sum(huge_page_bytes(t) > 0 for t in weights) >= len(forward.weights.layers)
+
+
+def test_released_pages_go_back_to_the_system_and_read_as_zeros() -> None:
+    tensor = torch.full((32 << 20,), 5, dtype=torch.uint8)
+    before = _resident_bytes(tensor)  # of its mapping, which may hold other memory as well
+    assert before >= 32 << 20
+    assert release_pages(tensor)
+    assert before - _resident_bytes(tensor) >= 31 << 20  # all but the pages its ends share with other memory
+    assert int(tensor[1 << 20]) == 0 and int(tensor[-(1 << 20)]) == 0  # still mapped: touching it is harmless
+    assert not release_pages(torch.empty(4, device="meta"))
+
+
+async def test_a_closed_server_gives_its_populated_pool_back_at_once(
+        make_settings: Callable[..., Settings], tiny_dir: Path, tiny_runner: ModelRunner) -> None:
+    """Tests open a server per test in one process: a pool left to the garbage collector stays resident
+    (populated whole) until a full collection, and a few dozen of them exhausted a 24 GiB machine."""
+    settings = make_settings(tiny_dir, cache={"device_budget_mb": 256}, model={"huge_pages": True})
+    async with Chatd.open(settings, runner=tiny_runner, background=False) as core:
+        pool = core.runner.pool
+        assert pool.populating is not None and pool.wait_populated(60)
+        populated = _resident_bytes(pool.tensors.kv)
+        assert populated >= 250 << 20
+    assert pool.populated
+    assert populated - _resident_bytes(pool.tensors.kv) >= 250 << 20  # pool still referenced here; its memory not

@@ -46,6 +46,7 @@ MIN_BYTES = 1 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
 _MADV_POPULATE_WRITE = 23
+_MADV_DONTNEED = 4
 POPULATE_CHUNK = 64 << 20
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -110,12 +111,34 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor], *, min_bytes: int = MIN_B
     return HugePageAdvice(advised, collapsed)
 
 
-def populate_in_background(tensor: torch.Tensor, *, chunk: int = POPULATE_CHUNK) -> threading.Thread | None:
+class Populating:
+    """A daemon thread faulting a tensor's pages in (:func:`populate_in_background`); :meth:`stop` ends it
+    after the chunk in progress."""
+
+    def __init__(self, target: Callable[[threading.Event], None]) -> None:
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=target, args=(self._stopping,), name="chatd-populate", daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def stop(self) -> None:
+        """Stop after the current chunk and wait for the thread (the memory may then be freed)."""
+        self._stopping.set()
+        self._thread.join()
+
+
+def populate_in_background(tensor: torch.Tensor, *, chunk: int = POPULATE_CHUNK) -> Populating | None:
     """Fault in every page of ``tensor``'s CPU memory, writable, from a daemon thread (``MADV_POPULATE_WRITE``,
     Linux 5.14+, a chunk per call; the interpreter lock is free meanwhile). Contents are not touched, so the
     tensor may be in use all along. Between chunks the thread holds only a weak reference: once the tensor is
-    gone (a pool replaced, a test's engine dropped) it stops. Returns the thread, or None where the call
-    does not exist or the tensor is not on the CPU."""
+    gone (a pool replaced, a test's engine dropped) it stops, as it does when told to (:meth:`Populating.stop`,
+    before the memory is released). Returns the thread's handle, or None where the call does not exist or the
+    tensor is not on the CPU."""
     madvise = _madvise()
     if madvise is None or tensor.device.type != "cpu":
         return None
@@ -124,10 +147,10 @@ def populate_in_background(tensor: torch.Tensor, *, chunk: int = POPULATE_CHUNK)
     end = storage.data_ptr() + storage.nbytes()
     alive = weakref.ref(tensor)
 
-    def run() -> None:
+    def run(stopping: threading.Event) -> None:
         for offset in range(start, end, chunk):
             held = alive()  # kept through the call: the memory stays mapped while a chunk is populated
-            if held is None:
+            if held is None or stopping.is_set():
                 return
             failed = madvise(offset, min(chunk, end - offset), _MADV_POPULATE_WRITE) != 0
             del held
@@ -135,9 +158,20 @@ def populate_in_background(tensor: torch.Tensor, *, chunk: int = POPULATE_CHUNK)
                 log.debug("populating stopped: errno %d", ctypes.get_errno())
                 return
 
-    thread = threading.Thread(target=run, name="chatd-populate", daemon=True)
-    thread.start()
-    return thread
+    return Populating(run)
+
+
+def release_pages(tensor: torch.Tensor) -> bool:
+    """Give the physical pages under ``tensor``'s CPU memory back to the system now (``MADV_DONTNEED``: the
+    mapping stays, and reads as zeros if touched again), for memory whose last owner may be freed only by a
+    later garbage collection. Whether the call was made and accepted (not Linux, not the CPU: False)."""
+    madvise = _madvise()
+    if madvise is None or tensor.device.type != "cpu":
+        return False
+    storage = tensor.untyped_storage()
+    start = -(-storage.data_ptr() // 4096) * 4096  # whole pages inside the tensor only: the rest is not ours
+    end = (storage.data_ptr() + storage.nbytes()) // 4096 * 4096
+    return end <= start or madvise(start, end - start, _MADV_DONTNEED) == 0
 
 
 def huge_page_bytes(tensor: torch.Tensor, smaps: Path = Path("/proc/self/smaps")) -> int:

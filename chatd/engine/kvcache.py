@@ -27,7 +27,6 @@ import contextlib
 import functools
 import itertools
 import math
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from chatd.engine.blocks import BlockAllocator, BlockCopy, BlockStats, BlockTable, block_runs, flatten_copies
+from chatd.engine.hugepages import Populating, release_pages
 from chatd.engine.paged import PagedKVPool
 
 # Token positions per block: small enough that a shared prefix ends close to where sessions diverge, large
@@ -63,7 +63,7 @@ class KVPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # The thread faulting the pool's pages in ahead of use, where the runner started one (huge pages).
-        self.populating: threading.Thread | None = None
+        self.populating: Populating | None = None
 
     @property
     def populated(self) -> bool:
@@ -75,6 +75,15 @@ class KVPool:
         if self.populating is not None:
             self.populating.join(timeout)
         return self.populated
+
+    def release(self) -> None:
+        """Give the pool's memory back now, when its engine has stopped (a server closing; tests open many in
+        one process): its contents are gone. Not left to the garbage collector alone: the engine's objects
+        refer to each other, so the tensor lives on until a full collection, and a populated pool is all
+        resident. The mapping itself stays until then (touching it again reads zeros; nothing crashes)."""
+        if self.populating is not None:
+            self.populating.stop()
+        release_pages(self.tensors.kv)
 
     @classmethod
     def for_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -449,6 +449,8 @@ class ModelRunner:
         if graphs is not None:
             graphs.close()
             self.graphs = None
+        if self._pool is not None:
+            self._pool.release()
         i = self.info
         self._pool = KVPool.for_budget(budget_bytes, i.num_layers, i.num_kv_heads, i.head_dim, i.dtype, i.device,
                                        salt=f"{i.weights_hash}:{i.dtype_name}")
@@ -456,6 +458,15 @@ class ModelRunner:
             advise_huge_pages([self._pool.tensors.kv])
             self._pool.populating = populate_in_background(self._pool.tensors.kv)
         return self._pool
+
+    def release_pool(self) -> None:
+        """Free the KV pool's memory (its engine has stopped); a later use gets a new default pool."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        if self._pool is not None:
+            self._pool.release()
+            self._pool = None
 
     @property
     def pool(self) -> KVPool:

@@ -181,13 +181,16 @@ class EngineWorker:
             self._thread = threading.Thread(target=self._run, name="chatd-engine", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel running generations and join the thread."""
-        if self._thread is None:
-            return
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Cancel running generations and join the thread; whether it has ended (False: still in a step
+        after ``timeout``)."""
+        thread = self._thread
+        if thread is None:
+            return True
         self._inbox.put(_STOP)
-        self._thread.join(timeout)
+        thread.join(timeout)
         self._thread = None
+        return not thread.is_alive()
 
     @property
     def alive(self) -> bool:
