@@ -460,13 +460,10 @@ class ModelRunner:
         return self._pool
 
     def release_pool(self) -> None:
-        """Free the KV pool's memory (its engine has stopped); a later use gets a new default pool."""
-        if self.graphs is not None:
-            self.graphs.close()
-            self.graphs = None
+        """Give the KV pool's memory back (its engine has stopped for good: the pool is unusable afterwards).
+        Nothing else is touched, so it may run on any thread once the engine thread has ended."""
         if self._pool is not None:
             self._pool.release()
-            self._pool = None
 
     @property
     def pool(self) -> KVPool:
