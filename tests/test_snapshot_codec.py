@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from chatd.engine.native import EngineKernels, load_kernels
+from chatd.engine.paged import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
 from chatd.errors import (
     SnapshotCorrupt,
     SnapshotError,
@@ -117,6 +118,28 @@ def test_round_trip_is_bit_exact(dtype: str, num_tokens: int, version: int) -> N
     # The specials really are there (so the test could catch a float-normalising codec).
     first_k = got[0][0].float().reshape(-1)
     assert torch.isnan(first_k[:8]).any() and torch.isinf(first_k[:8]).any()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("num_tokens", [1, 301])
+def test_an_int8_cache_round_trips_its_rows_and_scales_exactly(num_tokens: int, version: int) -> None:
+    # An int8 cache's positions are rows of head_dim values and their fp32 scale's bytes (chatd.engine.paged):
+    # the fingerprint's head_dim is that width, and every byte (NaN scale bits too) comes back as it was.
+    wide = fingerprint("float32", num_layers=6)
+    fp = dataclasses.replace(wide, dtype="int8", head_dim=wide.head_dim + INT8_SCALE_BYTES)
+    layers = [(quantize_rows(k), quantize_rows(v)) for k, v in kv_like(wide, num_tokens)]
+    layers[0][0][0, 0, -INT8_SCALE_BYTES:] = torch.tensor([float("nan")]).view(torch.int8)
+    ids = list(range(num_tokens))
+    data = encode(fp, ids, layers, version=version)
+    info = read_info(io.BytesIO(data))
+    assert info.fingerprint.dtype == "int8" and info.lossless
+    assert info.raw_bytes == 2 * 6 * 3 * num_tokens * (64 + INT8_SCALE_BYTES)
+    got = decode(data, fp, ids, num_tokens)
+    for (gk, gv), (wk, wv) in zip(got, layers, strict=True):
+        assert gk.dtype == torch.int8 and torch.equal(gk, wk) and torch.equal(gv, wv)
+    assert torch.equal(dequantize_rows(got[1][1]), dequantize_rows(layers[1][1]))
+    with pytest.raises(SnapshotModelMismatch):  # a bf16 cache of the same model does not take it
+        decode(data, dataclasses.replace(wide, dtype="bfloat16"), ids, num_tokens)
 
 
 def test_info_describes_the_snapshot() -> None:

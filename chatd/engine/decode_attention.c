@@ -10,7 +10,11 @@
  * nothing is gathered or padded. Pairs are spread over the threads of the OpenMP runtime that torch itself
  * uses (the same libgomp is loaded once per process).
  *
- * fp32 queries and output, fp32 accumulation; the pool holds fp32 or bf16 K/V (kv_bf16), read as fp32.
+ * fp32 queries and output, fp32 accumulation. The pool holds K/V as fp32, bf16 or int8 (kv_type, below), read
+ * as fp32. An int8 position of a head is a row of head_dim int8 values followed by its fp32 scale (4 bytes,
+ * native byte order): value d is q[d] * scale, where scale = max|x| / 127 and q[d] = round-to-even(x[d] / scale)
+ * (0 where the row is all zeros). The kernel applies a key's scale to its score and a value's scale to its
+ * softmax weight, once per position rather than per element.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,6 +25,24 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64
 #define SPLIT_MIN_BLOCKS 8 /* a pair's blocks are split for the threads only into ranges this long or more */
+
+/* kv_type: how the pool stores K and V */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_INT8 2
+#define KV_SCALE_BYTES 4 /* an int8 row's trailing fp32 scale */
+
+/* Bytes per stored element, and elements per stored position of one head (an int8 row carries its scale). */
+static inline int kv_esize(int kv_type) { return kv_type == KV_F32 ? 4 : kv_type == KV_BF16 ? 2 : 1; }
+static inline int kv_row(int kv_type, int head_dim) { return head_dim + (kv_type == KV_INT8 ? KV_SCALE_BYTES : 0); }
+
+/* The scale of the int8 row starting at element `index`. */
+static inline float row_scale(const void *base, int64_t index, int head_dim)
+{
+    float scale;
+    memcpy(&scale, (const int8_t *)base + index + head_dim, sizeof scale);
+    return scale;
+}
 
 /* bf16 <-> fp32, round to nearest even, exactly as torch's .to(torch.bfloat16) rounds (also used by the
  * element-wise kernels at the end). */
@@ -69,10 +91,12 @@ static inline __m256i bf16x16(__m512 f)
 }
 #endif
 
-/* Element `index` of a K or V array of fp32 or bf16 (kv_bf16) values, as fp32. */
-static inline float kv_at(const void *base, int64_t index, int kv_bf16)
+/* Element `index` of a K or V array of fp32, bf16 or int8 (kv_type) values, as fp32 (an int8 value unscaled). */
+static inline float kv_at(const void *base, int64_t index, int kv_type)
 {
-    return kv_bf16 ? from_bf16(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+    return kv_type == KV_BF16  ? from_bf16(((const uint16_t *)base)[index])
+           : kv_type == KV_INT8 ? (float)((const int8_t *)base)[index]
+                                : ((const float *)base)[index];
 }
 
 int chatd_decode_attention_limits(int group, int head_dim, int block_size)
@@ -119,10 +143,13 @@ static inline __m512 sum16x16(const __m512 *v)
     return _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x88), _mm512_shuffle_f32x4(c, d, 0xdd));
 }
 
-/* 16 K or V values from element `index` of an fp32 or bf16 (kv_bf16) array, as fp32. */
-static inline __m512 kv16(const void *base, int64_t index, int kv_bf16)
+/* 16 K or V values from element `index` of an fp32, bf16 or int8 (kv_type) array, as fp32 (int8 unscaled). */
+static inline __m512 kv16(const void *base, int64_t index, int kv_type)
 {
-    return kv_bf16 ? load_bf16x16((const uint16_t *)base + index) : _mm512_loadu_ps((const float *)base + index);
+    if (kv_type == KV_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + index))));
+    return kv_type == KV_BF16 ? load_bf16x16((const uint16_t *)base + index)
+                              : _mm512_loadu_ps((const float *)base + index);
 }
 
 /* The same walk as attend_pair below, 16 lanes at a time (head_dim a multiple of 16, block_size <= 16: one
@@ -133,9 +160,10 @@ static inline __attribute__((always_inline)) void
 attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *restrict keys,
                 const void *restrict values, const int32_t *restrict table, int length, int first_block,
                 int end_block, int group, int head_dim, int block_size, float scale, float *restrict state,
-                const int kv_bf16)
+                const int kv_type)
 {
-    const int esize = kv_bf16 ? 2 : 4;
+    const int esize = kv_esize(kv_type), row = kv_row(kv_type, head_dim);
+    float key_scale[16] __attribute__((aligned(64))), value_scale[16] __attribute__((aligned(64)));
     __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
     float score[MAX_GROUP][16] __attribute__((aligned(64)));
     __m512 dots[MAX_GROUP][16]; /* per query head, its 16 products with each key of the block */
@@ -151,10 +179,10 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
     for (int start = first_block * block_size, j = first_block; start < end; start += block_size, j++) {
         const int n = length - start < block_size ? length - start : block_size;
         const __mmask16 live = (__mmask16)((1u << n) - 1u);
-        const int64_t first = (int64_t)table[j] * block_size * head_dim;
+        const int64_t first = (int64_t)table[j] * block_size * row;
         if (start + block_size < end) { /* the next block's K and V: another place in the pool */
-            const int64_t next = (int64_t)table[j + 1] * block_size * head_dim * esize;
-            for (int line = 0; line < block_size * head_dim * esize; line += 64) {
+            const int64_t next = (int64_t)table[j + 1] * block_size * row * esize;
+            for (int line = 0; line < block_size * row * esize; line += 64) {
                 _mm_prefetch((const char *)keys + next + line, _MM_HINT_T0);
                 _mm_prefetch((const char *)values + next + line, _MM_HINT_T0);
             }
@@ -162,10 +190,14 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
         /* Each key is widened once for the group's query heads; each head's 16 products per key are summed
          * for the block's keys together (sum16x16), the unused lanes of a partial block over zeros. */
         for (int t = 0; t < n; t++) {
-            const int64_t kt = first + (int64_t)t * head_dim;
+            const int64_t kt = first + (int64_t)t * row;
             __m512 key[MAX_HEAD_DIM / 16];
             for (int c = 0; c < chunks; c++)
-                key[c] = kv16(keys, kt + 16 * c, kv_bf16);
+                key[c] = kv16(keys, kt + 16 * c, kv_type);
+            if (kv_type == KV_INT8) {
+                key_scale[t] = row_scale(keys, kt, head_dim);
+                value_scale[t] = row_scale(values, kt, head_dim);
+            }
             for (int g = 0; g < group; g++) {
                 const float *qg = q + g * q_head_stride;
                 __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), key[0]);
@@ -174,10 +206,14 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
                 dots[g][t] = dot;
             }
         }
+        /* an int8 key's scale multiplies its score, an int8 value's its softmax weight (below) */
+        const __m512 score_scale = kv_type == KV_INT8
+                                       ? _mm512_mul_ps(_mm512_maskz_load_ps(live, key_scale), _mm512_set1_ps(scale))
+                                       : _mm512_set1_ps(scale);
         for (int g = 0; g < group; g++) {
             for (int t = n; t < 16; t++)
                 dots[g][t] = _mm512_setzero_ps();
-            _mm512_store_ps(score[g], _mm512_mul_ps(sum16x16(dots[g]), _mm512_set1_ps(scale)));
+            _mm512_store_ps(score[g], _mm512_mul_ps(sum16x16(dots[g]), score_scale));
         }
         for (int g = 0; g < group; g++) {
             const __m512 s = _mm512_maskz_load_ps(live, score[g]);
@@ -185,7 +221,7 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
             const float top = top_here > best[g] ? top_here : best[g];
             const float shrink = expf(best[g] - top); /* 0 on the first block (best = -inf) */
             const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-            _mm512_store_ps(score[g], p);
+            _mm512_store_ps(score[g], kv_type == KV_INT8 ? _mm512_mul_ps(p, _mm512_maskz_load_ps(live, value_scale)) : p);
             total[g] = total[g] * shrink + _mm512_reduce_add_ps(p);
             best[g] = top;
             const __m512 by = _mm512_set1_ps(shrink);
@@ -193,9 +229,9 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
                 acc[g][c] = _mm512_mul_ps(acc[g][c], by);
         }
         for (int t = 0; t < n; t++) {
-            const int64_t vt = first + (int64_t)t * head_dim;
+            const int64_t vt = first + (int64_t)t * row;
             for (int c = 0; c < chunks; c++) {
-                const __m512 vc = kv16(values, vt + 16 * c, kv_bf16);
+                const __m512 vc = kv16(values, vt + 16 * c, kv_type);
                 for (int g = 0; g < group; g++)
                     acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(score[g][t]), vc, acc[g][c]);
             }
@@ -210,45 +246,47 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
     }
 }
 
-/* attend_blocks16 compiled once per K/V element type, and within each, common shapes (64-wide heads, groups
+/* attend_blocks16 compiled once per K/V storage type, and within each, common shapes (64-wide heads, groups
  * of 1 to 4 query heads per KV head) get copies of their own, in which the compiler unrolls the loops over
  * heads and chunks and keeps every accumulator in a register. */
 static inline __attribute__((always_inline)) void
 attend_shaped(const float *q, int64_t q_head_stride, const void *keys, const void *values, const int32_t *table,
               int length, int first_block, int end_block, int group, int head_dim, int block_size, float scale,
-              float *state, const int kv_bf16)
+              float *state, const int kv_type)
 {
     if (head_dim == 64 && group >= 1 && group <= 4) {
         switch (group) {
         case 1: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 1, 64,
-                                block_size, scale, state, kv_bf16); return;
+                                block_size, scale, state, kv_type); return;
         case 2: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 2, 64,
-                                block_size, scale, state, kv_bf16); return;
+                                block_size, scale, state, kv_type); return;
         case 3: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 3, 64,
-                                block_size, scale, state, kv_bf16); return;
+                                block_size, scale, state, kv_type); return;
         default: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 4, 64,
-                                 block_size, scale, state, kv_bf16); return;
+                                 block_size, scale, state, kv_type); return;
         }
     }
     attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
-                    block_size, scale, state, kv_bf16);
+                    block_size, scale, state, kv_type);
 }
 
-static void attend_blocks16_f32(const float *q, int64_t q_head_stride, const void *keys, const void *values,
-                                const int32_t *table, int length, int first_block, int end_block, int group,
-                                int head_dim, int block_size, float scale, float *state)
-{
-    attend_shaped(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
-                  block_size, scale, state, 0);
-}
+/* attend_blocks16 for one storage type, as a plain function of its own (the table below picks one per call). */
+#define ATTEND_BLOCKS16_FOR(name, kv_type)                                                                         \
+    static void name(const float *q, int64_t q_head_stride, const void *keys, const void *values,                  \
+                     const int32_t *table, int length, int first_block, int end_block, int group, int head_dim,    \
+                     int block_size, float scale, float *state)                                                    \
+    {                                                                                                              \
+        attend_shaped(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,     \
+                      block_size, scale, state, kv_type);                                                          \
+    }
+ATTEND_BLOCKS16_FOR(attend_blocks16_f32, KV_F32)
+ATTEND_BLOCKS16_FOR(attend_blocks16_bf16, KV_BF16)
+ATTEND_BLOCKS16_FOR(attend_blocks16_int8, KV_INT8)
 
-static void attend_blocks16_bf16(const float *q, int64_t q_head_stride, const void *keys, const void *values,
-                                 const int32_t *table, int length, int first_block, int end_block, int group,
-                                 int head_dim, int block_size, float scale, float *state)
-{
-    attend_shaped(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
-                  block_size, scale, state, 1);
-}
+typedef void (*attend_blocks_fn)(const float *, int64_t, const void *, const void *, const int32_t *, int, int, int,
+                                 int, int, int, float, float *);
+static const attend_blocks_fn attend_blocks16_for[3] = {attend_blocks16_f32, attend_blocks16_bf16,
+                                                        attend_blocks16_int8};
 
 /* The attention of query heads [g0, g0 + group) from the states of `parts` block ranges (consecutive,
  * head_dim + 2 floats per query head each, as attend_blocks16 leaves them): the running softmaxes merged
@@ -286,8 +324,9 @@ static void finish16(const float *restrict states, int parts, int group, int hea
 
 static void attend_pair(const float *restrict q, int64_t q_head_stride, float *restrict out,
                         const void *restrict keys, const void *restrict values, const int32_t *restrict table,
-                        int length, int group, int head_dim, int block_size, float scale, int kv_bf16)
+                        int length, int group, int head_dim, int block_size, float scale, int kv_type)
 {
+    const int row = kv_row(kv_type, head_dim);
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     float score[MAX_GROUP][MAX_BLOCK];
     float best[MAX_GROUP], total[MAX_GROUP];
@@ -299,15 +338,16 @@ static void attend_pair(const float *restrict q, int64_t q_head_stride, float *r
     }
     for (int start = 0, j = 0; start < length; start += block_size, j++) {
         const int n = length - start < block_size ? length - start : block_size;
-        const int64_t first = (int64_t)table[j] * block_size * head_dim;
+        const int64_t first = (int64_t)table[j] * block_size * row;
         for (int t = 0; t < n; t++) {
-            const int64_t kt = first + (int64_t)t * head_dim;
+            const int64_t kt = first + (int64_t)t * row;
+            const float key_scale = kv_type == KV_INT8 ? row_scale(keys, kt, head_dim) * scale : scale;
             for (int g = 0; g < group; g++) {
                 const float *qg = q + g * q_head_stride;
                 float dot = 0.0f;
                 for (int d = 0; d < head_dim; d++)
-                    dot += qg[d] * kv_at(keys, kt + d, kv_bf16);
-                score[g][t] = dot * scale;
+                    dot += qg[d] * kv_at(keys, kt + d, kv_type);
+                score[g][t] = dot * key_scale;
             }
         }
         for (int g = 0; g < group; g++) {
@@ -326,11 +366,12 @@ static void attend_pair(const float *restrict q, int64_t q_head_stride, float *r
                 acc[g][d] *= shrink;
         }
         for (int t = 0; t < n; t++) {
-            const int64_t vt = first + (int64_t)t * head_dim;
+            const int64_t vt = first + (int64_t)t * row;
+            const float value_scale = kv_type == KV_INT8 ? row_scale(values, vt, head_dim) : 1.0f;
             for (int g = 0; g < group; g++) {
-                const float p = score[g][t];
+                const float p = score[g][t] * value_scale;
                 for (int d = 0; d < head_dim; d++)
-                    acc[g][d] += p * kv_at(values, vt + d, kv_bf16);
+                    acc[g][d] += p * kv_at(values, vt + d, kv_type);
             }
         }
     }
@@ -343,17 +384,17 @@ static void attend_pair(const float *restrict q, int64_t q_head_stride, float *r
 
 /* q: query rows, [.., num_heads, head_dim] with row stride q_row_stride (elements); row r of the call is
  *    row_index[r]. out: [.., num_heads * head_dim] contiguous rows; the call's row r goes to out row row_index[r].
- * keys, values: this layer's K and V of KV head 0, fp32 or bf16 (kv_bf16); head h starts head_stride elements
- * further.
+ * keys, values: this layer's K and V of KV head 0, fp32, bf16 or int8 rows (kv_type); head h starts head_stride
+ * elements further (a slot's position starts at slot * (head_dim, plus the scale's 4 for int8)).
  * tables: [rows, table_stride] block ids; lengths: [rows] positions each row attends (its cache, new token
  * included). */
 void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t *row_index, float *out,
                             const void *keys, const void *values, int64_t head_stride,
                             const int32_t *tables, int64_t table_stride, const int32_t *lengths, int rows,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                            int num_threads, int kv_bf16)
+                            int num_threads, int kv_type)
 {
-    const int esize = kv_bf16 ? 2 : 4;
+    const int esize = kv_esize(kv_type);
     const int group = num_heads / num_kv_heads;
     const int pairs = rows * num_kv_heads;
 #if defined(__AVX512F__)
@@ -377,7 +418,7 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
             const int first = states != NULL ? part * per : 0, end = states != NULL ? first + per : blocks;
             float local[MAX_GROUP * (MAX_HEAD_DIM + 2)];
             float *state = states != NULL ? states + (int64_t)item * state_size : local;
-            (kv_bf16 ? attend_blocks16_bf16 : attend_blocks16_f32)(
+            attend_blocks16_for[kv_type](
                 qr, head_dim, (const char *)keys + h * head_stride * esize,
                 (const char *)values + h * head_stride * esize, tables + (int64_t)r * table_stride, lengths[r],
                 first, end, group, head_dim, block_size, scale, state);
@@ -403,8 +444,21 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
         float *o = out + (int64_t)row_index[r] * num_heads * head_dim + (int64_t)h * group * head_dim;
         attend_pair(qr, head_dim, o, (const char *)keys + h * head_stride * esize,
                     (const char *)values + h * head_stride * esize, tables + (int64_t)r * table_stride, lengths[r],
-                    group, head_dim, block_size, scale, kv_bf16);
+                    group, head_dim, block_size, scale, kv_type);
     }
+}
+
+/* x[0, n) as an int8 row: n values, then the fp32 scale (the rule at the top of this file). */
+__attribute__((optimize("no-fast-math", "fp-contract=off")))
+static void quantize_row(const float *x, int n, int8_t *out)
+{
+    float top = 0.0f;
+    for (int d = 0; d < n; d++)
+        top = fabsf(x[d]) > top ? fabsf(x[d]) : top;
+    const float scale = top / 127.0f;
+    for (int d = 0; d < n; d++)
+        out[d] = scale > 0.0f ? (int8_t)rintf(x[d] / scale) : 0;
+    memcpy(out + n, &scale, sizeof scale);
 }
 
 /* RoPE and the K/V write of one layer for every row of a step, in one call (the torch path: five
@@ -414,16 +468,17 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
  * elements; the Q and K heads are rotated in place at the row's position, in transformers' half-split
  * convention (element j pairs with j + head_dim / 2), with cos / sin tables [max_positions, head_dim].
  * Then the row's K and V heads are copied into this layer's pool at the row's slot (head h of K at
- * keys + h * head_stride + slot * head_dim), as fp32 or rounded to bf16 (kv_bf16). Products are rounded
- * before they are added, as torch's separate multiplications and addition do, so the cache holds the same
- * bits as on the torch path. */
+ * keys + h * head_stride + slot * row elements), as fp32, rounded to bf16, or quantised to an int8 row with its
+ * scale (kv_type; the rule at the top of this file). Products are rounded before they are added, as torch's
+ * separate multiplications and addition do, and the int8 scale and values are divisions rounded as torch
+ * rounds them, so the cache holds the same bits as on the torch path. */
 __attribute__((optimize("no-fast-math", "fp-contract=off")))
 void chatd_rope_write(float *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
                       const float *sin_table, void *keys, void *values, int64_t head_stride,
                       const int64_t *slots, int rows, int num_heads, int num_kv_heads, int head_dim,
-                      int num_threads, int kv_bf16)
+                      int num_threads, int kv_type)
 {
-    const int half = head_dim / 2, rotated = num_heads + num_kv_heads;
+    const int half = head_dim / 2, rotated = num_heads + num_kv_heads, row_elements = kv_row(kv_type, head_dim);
 #pragma omp parallel for num_threads(num_threads) if (rows >= 64)
     for (int r = 0; r < rows; r++) {
         float *row = qkv + (int64_t)r * row_stride;
@@ -437,12 +492,15 @@ void chatd_rope_write(float *qkv, int64_t row_stride, const int64_t *positions, 
                 x[j + half] = b_cos + a_sin;
             }
         }
-        const int64_t at = slots[r] * head_dim;
+        const int64_t at = slots[r] * row_elements;
         for (int h = 0; h < num_kv_heads; h++) {
             const float *k = row + (int64_t)(num_heads + h) * head_dim;
             const float *v = row + (int64_t)(rotated + h) * head_dim;
             const int64_t to = h * head_stride + at;
-            if (kv_bf16) {
+            if (kv_type == KV_INT8) {
+                quantize_row(k, head_dim, (int8_t *)keys + to);
+                quantize_row(v, head_dim, (int8_t *)values + to);
+            } else if (kv_type == KV_BF16) {
                 uint16_t *kd = (uint16_t *)keys + to, *vd = (uint16_t *)values + to;
                 for (int d = 0; d < head_dim; d++) {
                     kd[d] = to_bf16(k[d]);

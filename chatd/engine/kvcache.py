@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from chatd.engine.blocks import BlockAllocator, BlockCopy, BlockStats, BlockTable, block_runs, flatten_copies
 from chatd.engine.hugepages import Populating, release_pages
-from chatd.engine.paged import PagedKVPool
+from chatd.engine.paged import PagedKVPool, dequantize_rows
 
 # Token positions per block: small enough that a shared prefix ends close to where sessions diverge, large
 # enough that a table of a few thousand tokens is a handful of runs and hashing a block is cheap.
@@ -59,6 +59,9 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        # int8: every position of a head is stored as a row of head_dim values and its scale (chatd.engine.paged)
+        self.quantized = self.tensors.quantized
+        self.row_width = self.tensors.row_width
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -123,13 +126,17 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """K/V ``[n, kv_heads, head_dim]`` of ``n`` positions (any mix of sessions) at ``slots`` ``[n]``, in
-        one indexed copy each; activations wider than the pool's dtype are narrowed."""
-        self.tensors.write(layer, slots, keys.to(self.dtype), values.to(self.dtype))
+        one indexed copy each; activations wider than the pool's dtype are narrowed (quantised for an int8
+        pool, which also takes its own rows ``[n, kv_heads, row_width]`` as they are)."""
+        if not self.quantized:
+            keys, values = keys.to(self.dtype), values.to(self.dtype)
+        self.tensors.write(layer, slots, keys, values)
 
     def run_views(self, block_ids: Sequence[int], num_tokens: int
                   ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """The first ``num_tokens`` positions of a table with ``block_ids``, as one (keys, values) pair of
-        per-layer ``[1, kv_heads, run_length, head_dim]`` views per run of consecutive blocks."""
+        per-layer ``[1, kv_heads, run_length, row_width]`` views per run of consecutive blocks (as stored: an
+        int8 pool's rows carry their scales)."""
         runs = []
         size = self.block_size
         done = 0
@@ -137,7 +144,7 @@ class KVPool:
             length = min(count * size, num_tokens - done)
             if length <= 0:
                 break
-            # [layers, 2, kv_heads, count, block_size, head_dim] -> [layers, 2, kv_heads, length, head_dim]
+            # [layers, 2, kv_heads, count, block_size, row] -> [layers, 2, kv_heads, length, row]
             view = self.tensors.kv[:, :, :, first:first + count].flatten(3, 4)[:, :, :, :length]
             runs.append((list(view[:, 0, None].unbind(0)), list(view[:, 1, None].unbind(0))))
             done += length
@@ -344,10 +351,10 @@ class SessionKV(DynamicCache):
     # ------------------------------------------------------------------ snapshots
 
     def filled_layers(self) -> Layers:
-        """Per-layer ``[kv_heads, length, head_dim]`` K/V of the computed positions: views of the pool when
-        the table is one run (each head's slab contiguous), copies otherwise."""
+        """Per-layer ``[kv_heads, length, row_width]`` K/V of the computed positions as stored: views of the
+        pool when the table is one run (each head's slab contiguous), copies otherwise."""
         if self.length == 0:
-            empty = torch.empty((self.num_kv_heads, 0, self.head_dim), dtype=self.dtype, device=self.device)
+            empty = torch.empty((self.num_kv_heads, 0, self.pool.row_width), dtype=self.dtype, device=self.device)
             return [(empty, empty) for _ in range(self.pool.num_layers)]
         runs = self.run_views(written=False)
         if len(runs) == 1:
@@ -358,7 +365,7 @@ class SessionKV(DynamicCache):
 
     def restore_begin(self, token_ids: Sequence[int]) -> Layers | None:
         """Hold slots for a snapshot's ``token_ids`` in this empty cache (room reserved beforehand keeps
-        them one run). Returns per-layer ``[kv_heads, n, head_dim]`` views of the pool to decode the file
+        them one run). Returns per-layer ``[kv_heads, n, row_width]`` views of the pool to decode the file
         into when they are one run on the CPU, else None: decode into other tensors and pass those to
         :meth:`restore_finish`."""
         if self.length or (self._table is not None and self._table.num_tokens):
@@ -372,7 +379,7 @@ class SessionKV(DynamicCache):
         return None
 
     def restore_finish(self, layers: Layers) -> None:
-        """The snapshot's positions are decoded into ``layers`` (per-layer ``[kv_heads, n, head_dim]``): the
+        """The snapshot's positions are decoded into ``layers`` (per-layer ``[kv_heads, n, row_width]``): the
         views :meth:`restore_begin` returned, or other tensors, which are written to the slots now."""
         if layers is not self._restore_views:
             slots = self.pending_slots()
@@ -466,6 +473,8 @@ def attend(query: torch.Tensor, runs: Sequence[tuple[torch.Tensor, torch.Tensor]
 
 def any_layer_kv(cache: SessionKV, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[kv_heads, positions, head_dim]`` of one layer of a :class:`SessionKV` (a copy for a table
-    of several runs); for tests and the fallback attention."""
+    of several runs, or an int8 pool's rows widened to fp32); for tests and the fallback attention."""
     keys, values = cache.paged_layers[layer].current()
+    if cache.pool.quantized:
+        return dequantize_rows(keys[0]), dequantize_rows(values[0])
     return keys[0], values[0]

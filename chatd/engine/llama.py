@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from chatd.engine.kvcache import KVPool, SessionKV, appending, attend
 from chatd.engine.native import EngineKernels, StepPlan
+from chatd.engine.paged import dequantize_rows
 from chatd.engine.quant import GGUFWeights, TileQ4Linear, TileQ8Linear
 
 # Model types whose forward this module has been checked to reproduce (tests/test_llama_forward.py);
@@ -487,9 +488,12 @@ class LlamaForward:
     def _attend(self, kv_runs: Sequence[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """Attend one run's ``q`` ``[n, heads, head_dim]`` over its cache (K/V already written), given as
-        views ``[1, kv_heads, len, head_dim]`` of the pool per run of blocks; returns ``[n, heads * head_dim]``."""
+        views ``[1, kv_heads, len, row_width]`` of the pool per run of blocks; returns ``[n, heads * head_dim]``."""
         s = self.shape
         n = q.shape[0]
+        if kv_runs[0][0].dtype == torch.int8:  # an int8 pool's rows, widened for SDPA
+            wide = torch.bfloat16 if self.bf16_attention else torch.float32
+            kv_runs = [(dequantize_rows(keys, wide), dequantize_rows(values, wide)) for keys, values in kv_runs]
         # Fold each KV head's query group into the query length, [1, kv_heads, group * n, head_dim]: one
         # 4-D SDPA call takes the fused CPU kernel (3-D inputs fall back to two matmuls).
         folded = q.view(n, s.num_kv_heads, self.group, s.head_dim).permute(1, 2, 0, 3)

@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from chatd.engine.paged import INT8_SCALE_BYTES
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "tile_matmul.c", "step.c",
@@ -37,8 +39,14 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c"
 # -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
-# The pool dtypes the attention and the K/V write take.
-_KV_DTYPES = (torch.float32, torch.bfloat16)
+# The pool dtypes the attention and the K/V write take, and their kv_type codes (decode_attention.c); an int8
+# pool's positions are rows of head_dim values and their fp32 scale (chatd.engine.paged.quantize_rows).
+_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def _head_dim(kv: torch.Tensor) -> int:
+    """The head dimension of pool ``kv`` (its last axis: head_dim, or an int8 row's head_dim + 4)."""
+    return kv.shape[-1] - (INT8_SCALE_BYTES if kv.dtype == torch.int8 else 0)
 # chatd_q4_matmul_kind()'s answers
 _TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx"}
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
@@ -150,17 +158,19 @@ class EngineKernels:
         in place at ``positions`` (int64 ``[rows]``; ``cos`` / ``sin`` ``[max_positions, head_dim]``, the
         half-split convention), and copy each row's K and V heads into this layer's pool ``keys`` / ``values``
         (``[kv_heads, num_blocks, block_size, head_dim]``, fp32, or bf16: rounded to nearest even) at ``slots``
-        (int64 ``[rows]``). Bit for bit what the torch path computes."""
-        num_kv_heads, num_blocks, block_size, head_dim = keys.shape
-        if not (qkv.dtype == cos.dtype == sin.dtype == torch.float32 and keys.dtype == values.dtype in _KV_DTYPES
+        (int64 ``[rows]``). Bit for bit what the torch path computes. An int8 pool's rows
+        (``[..., head_dim + 4]``) are quantised as :func:`chatd.engine.paged.quantize_rows` does."""
+        num_kv_heads, num_blocks, block_size, row = keys.shape
+        head_dim = _head_dim(keys)
+        if not (qkv.dtype == cos.dtype == sin.dtype == torch.float32 and keys.dtype == values.dtype in _KV_TYPES
                 and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and keys.is_contiguous()
                 and values.is_contiguous() and positions.dtype == slots.dtype == torch.int64
                 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim):
             raise ValueError("rope_write: unexpected dtypes or layouts")
         self._rope_write(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                         keys.data_ptr(), values.data_ptr(), num_blocks * block_size * head_dim, slots.data_ptr(),
+                         keys.data_ptr(), values.data_ptr(), num_blocks * block_size * row, slots.data_ptr(),
                          qkv.shape[0], num_heads, num_kv_heads, head_dim, torch.get_num_threads(),
-                         int(keys.dtype == torch.bfloat16))
+                         _KV_TYPES[keys.dtype])
 
     def add_rms_norm(self, h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -242,19 +252,20 @@ class EngineKernels:
         into the same rows of ``out`` ``[n, heads * head_dim]`` (contiguous).
 
         ``keys``, ``values``: one layer of the pool, ``[kv_heads, num_blocks, block_size, head_dim]``
-        contiguous fp32 or bf16. ``tables``: int32 ``[len(rows), max_blocks]`` block ids; ``lengths``: int32
+        contiguous fp32 or bf16, or int8 rows ``[..., head_dim + 4]``. ``tables``: int32
+        ``[len(rows), max_blocks]`` block ids; ``lengths``: int32
         ``[len(rows)]`` positions each row attends (its new token included, already written)."""
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads, num_blocks, block_size = keys.shape[0], keys.shape[1], keys.shape[2]
-        if not (q.dtype == out.dtype == torch.float32 and keys.dtype == values.dtype in _KV_DTYPES
-                and q.stride(1) == head_dim
+        num_kv_heads, num_blocks, block_size, row = keys.shape
+        if not (q.dtype == out.dtype == torch.float32 and keys.dtype == values.dtype in _KV_TYPES
+                and _head_dim(keys) == head_dim and q.stride(1) == head_dim
                 and q.stride(2) == 1 and out.is_contiguous() and keys.is_contiguous() and values.is_contiguous()
                 and rows.dtype == tables.dtype == lengths.dtype == torch.int32 and tables.is_contiguous()):
             raise ValueError("decode attention: unexpected dtypes or layouts")
         self._decode_attention(q.data_ptr(), q.stride(0), rows.data_ptr(), out.data_ptr(), keys.data_ptr(),
-                               values.data_ptr(), num_blocks * block_size * head_dim, tables.data_ptr(),
+                               values.data_ptr(), num_blocks * block_size * row, tables.data_ptr(),
                                tables.shape[1], lengths.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim,
-                               block_size, scale, torch.get_num_threads(), int(keys.dtype == torch.bfloat16))
+                               block_size, scale, torch.get_num_threads(), _KV_TYPES[keys.dtype])
 
     def forward_step(self, plan: StepPlan, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
@@ -315,7 +326,7 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                                    "inter", "vocab", "block_size", "kv_bf16")),
+                                                    "inter", "vocab", "block_size", "kv_type")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("head_stride", ctypes.c_int64)]
 
 
@@ -329,14 +340,15 @@ class StepPlan:
                  vocab: int, kv: torch.Tensor, kind: str) -> None:
         """``layers``: per layer ``attn_norm``, ``ffn_norm`` (fp32 ``[hidden]``) and ``qkv``, ``o``, ``gate_up``,
         ``down`` (Q4_1 tiles); ``lm_head`` Q8_0 tiles, all packed for the tile kernel ``kind``; ``kv``: the pool,
-        ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]`` contiguous fp32 or bf16."""
-        num_layers, _, kv_heads, num_blocks, block_size, kv_dim = kv.shape
+        ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]`` contiguous fp32 or bf16, or int8 rows
+        (``head_dim + 4``)."""
+        num_layers, _, kv_heads, num_blocks, block_size, row = kv.shape
         hidden = final_norm.shape[0]
-        if not (kv.is_contiguous() and kv.dtype in _KV_DTYPES and kv_heads == num_kv_heads and kv_dim == head_dim
+        if not (kv.is_contiguous() and kv.dtype in _KV_TYPES and kv_heads == num_kv_heads and _head_dim(kv) == head_dim
                 and num_layers == len(layers) and final_norm.dtype == torch.float32 and final_norm.is_contiguous()):
             raise ValueError("StepPlan: unexpected pool or weights")
         self.shape = _Shape(num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, block_size,
-                            int(kv.dtype == torch.bfloat16), eps, scale, num_blocks * block_size * head_dim)
+                            _KV_TYPES[kv.dtype], eps, scale, num_blocks * block_size * row)
         self.kv, self.final_norm, self.lm_head = kv, final_norm, lm_head
         self.tensors = [dict(layer) for layer in layers]
         for layer in self.tensors:

@@ -24,6 +24,12 @@ into the query-length axis (``[batch, kv_heads, group * queries, head_dim]``) in
 torch code runs on CUDA (SDPA picks its kernel); a fused paged kernel can replace it there later
 behind the same signatures.
 
+An int8 pool (``dtype=torch.int8``) stores each position of a head as a row of ``head_dim`` int8 values
+followed by their fp32 scale's 4 bytes, so the last axis is ``head_dim + 4`` (:func:`quantize_rows`): the
+scale travels with its values through every copy, gather, snapshot and restore, and a block is still one
+contiguous piece of the pool. Writes quantise; the attention functions here widen what they gather
+(:func:`dequantize_rows`); the native kernel reads the rows as they are.
+
 Only the engine worker thread may touch these tensors.
 """
 
@@ -33,6 +39,30 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+# An int8 row's trailing scale: one fp32, stored as 4 int8 elements after the row's values.
+INT8_SCALE_BYTES = 4
+
+
+def row_width(dtype: torch.dtype, head_dim: int) -> int:
+    """Elements the pool stores per position and head: ``head_dim``, plus the scale's 4 bytes for int8."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., head_dim]`` (fp32) as int8 rows ``[..., head_dim + 4]``: ``q = round(x / scale)`` (to nearest
+    even) with ``scale = max|x| / 127`` per row (0 and all-zero values for a row of zeros), the scale's fp32
+    bytes appended. The native K/V write (decode_attention.c) computes the same bits."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    values = torch.where(scale > 0, torch.round(x / scale), 0.0).to(torch.int8)
+    return torch.cat([values, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int8 rows ``[..., head_dim + 4]`` back to values ``[..., head_dim]`` (``q * scale``) in ``dtype``."""
+    scale = rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32)
+    return (rows[..., :-INT8_SCALE_BYTES].float() * scale).to(dtype)
 
 
 class PagedKVPool:
@@ -54,15 +84,17 @@ class PagedKVPool:
         # garbage that happened to be NaN/inf would still poison SDPA's weighted sum on some kernels. A pool
         # whose readers never read an unwritten slot may skip it (``zeroed=False``): on the CPU its pages are
         # then touched only as blocks are first written.
-        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
-        # [num_layers, 2, kv_heads, num_blocks, block_size, head_dim]
+        self.row_width = row_width(dtype, head_dim)
+        self.quantized = dtype == torch.int8
+        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, self.row_width)
+        # [num_layers, 2, kv_heads, num_blocks, block_size, row_width] (row_width = head_dim unless int8)
         self.kv = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=self.device)
 
     @staticmethod
     def bytes_per_block_for(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                             dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * element
+        return num_layers * 2 * block_size * num_kv_heads * row_width(dtype, head_dim) * element
 
     @classmethod
     def num_blocks_for_budget(cls, budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int,
@@ -80,20 +112,23 @@ class PagedKVPool:
         return self.kv.numel() * self.kv.element_size()
 
     def keys(self, layer: int) -> torch.Tensor:
-        """View ``[kv_heads, num_blocks, block_size, head_dim]`` of one layer's K."""
+        """View ``[kv_heads, num_blocks, block_size, row_width]`` of one layer's K."""
         return self.kv[layer, 0]
 
     def values(self, layer: int) -> torch.Tensor:
-        """View ``[kv_heads, num_blocks, block_size, head_dim]`` of one layer's V."""
+        """View ``[kv_heads, num_blocks, block_size, row_width]`` of one layer's V."""
         return self.kv[layer, 1]
 
     def write(self, layer: int, slot_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store K/V of many tokens (any mix of sequences) at their slots, in one op each.
 
         ``slot_ids``: [num_tokens] int64 on the pool's device, distinct;
-        ``keys``/``values``: [num_tokens, kv_heads, head_dim] in the pool's dtype (after RoPE).
+        ``keys``/``values``: [num_tokens, kv_heads, head_dim] in the pool's dtype (after RoPE); for an int8
+        pool, values of any float dtype (quantised here) or int8 rows ``[..., row_width]`` as they are.
         """
-        flat_shape = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
+        if self.quantized and keys.dtype != torch.int8:
+            keys, values = quantize_rows(keys), quantize_rows(values)
+        flat_shape = (self.num_kv_heads, self.num_blocks * self.block_size, self.row_width)
         self.kv[layer, 0].view(flat_shape).index_copy_(1, slot_ids, keys.transpose(0, 1))
         self.kv[layer, 1].view(flat_shape).index_copy_(1, slot_ids, values.transpose(0, 1))
 
@@ -109,8 +144,8 @@ class PagedKVPool:
             self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
 
     def read_sequence(self, block_ids: Sequence[int], num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Contiguous per-layer copies ``[kv_heads, num_tokens, head_dim]`` of one sequence's K and V
-        (the snapshot format's per-layer shape)."""
+        """Contiguous per-layer copies ``[kv_heads, num_tokens, row_width]`` of one sequence's K and V
+        (the snapshot format's per-layer shape), as stored."""
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         # [layers, 2, kv_heads, blocks, block_size, head_dim] -> [layers, 2, kv_heads, tokens, head_dim]
         tokens = self.kv.index_select(3, ids).flatten(3, 4)[:, :, :, :num_tokens].contiguous()
@@ -119,7 +154,7 @@ class PagedKVPool:
     def write_sequence(self, block_ids: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
                        start: int = 0) -> None:
         """Fill positions ``[start, start + num_tokens)`` of one sequence from per-layer
-        ``[kv_heads, num_tokens, head_dim]`` K and V (a restore). ``block_ids`` must cover them. Pass
+        ``[kv_heads, num_tokens, row_width]`` K and V as stored (a restore). ``block_ids`` must cover them. Pass
         ``start`` = the positions found cached, so a restore never writes into shared blocks."""
         num_tokens = layers[0][0].shape[1]
         slot_ids = slot_ids_for(block_ids, start, start + num_tokens, self.block_size, self.device)
@@ -156,12 +191,14 @@ def block_table_tensor(block_id_lists: Sequence[Sequence[int]], device: torch.de
 
 def gather_blocks(pool: PagedKVPool, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of every row's blocks: two ``[batch, kv_heads, max_blocks * block_size, head_dim]``
-    strided views of one gathered copy each."""
+    strided views of one gathered copy each (an int8 pool's rows widened to fp32)."""
     batch, max_blocks = block_tables.shape
     flat = block_tables.reshape(-1)
-    shape = (pool.num_kv_heads, batch, max_blocks * pool.block_size, pool.head_dim)
+    shape = (pool.num_kv_heads, batch, max_blocks * pool.block_size, pool.row_width)
     keys = pool.keys(layer).index_select(1, flat).view(shape).transpose(0, 1)
     values = pool.values(layer).index_select(1, flat).view(shape).transpose(0, 1)
+    if pool.quantized:
+        keys, values = dequantize_rows(keys), dequantize_rows(values)
     return keys, values
 
 

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from chatd.engine.llama import (
     weights_from_transformers,
 )
 from chatd.engine.native import EngineKernels, load_kernels
+from chatd.engine.paged import row_width
 from chatd.engine.quant import load_gguf_weights
 from chatd.errors import ConfigError
 
@@ -96,7 +98,7 @@ class ModelInfo:
     def bytes_per_token(self) -> int:
         """KV bytes of one position over all layers (K and V)."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        return 2 * self.num_layers * self.num_kv_heads * row_width(self.dtype, self.head_dim) * element
 
 
 # ----------------------------------------------------------------------------- row-wise attention
@@ -239,20 +241,30 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
-    """The dtype transformers loads the model in (its forward's activations)."""
+    """The dtype transformers loads the model in (its forward's activations); fp32 for an int8 KV cache."""
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if setting == "int8":
+        return torch.float32
     return _DTYPES[setting]
 
 
-def resolve_kv_dtype(setting: str, device: torch.device, weights: str) -> torch.dtype:
-    """The KV cache's dtype: ``setting`` unless ``auto``. ``auto`` is bfloat16 for the packaged model's
-    ``q4`` weights on the CPU: its V are bf16 values already (the bf16 projections' outputs) and its K lose
-    only the bits below bf16's, while a decode step reads half the bytes and a snapshot is 40 % smaller and
-    restores 1.6x faster (docs/performance.md). Otherwise the model's own dtype (``float32`` weights keep an
-    fp32 cache: their greedy replies equal transformers' exactly)."""
+def resolve_kv_dtype(setting: str, device: torch.device, weights: str, *, native: bool = True) -> torch.dtype:
+    """The KV cache's dtype: ``setting`` unless ``auto``. ``auto`` is int8 for the packaged model's ``q4``
+    weights on the CPU where the native kernels run (``native``; bfloat16 where they do not): a decode step
+    reads about half a bf16 cache's bytes and a quarter of fp32's, snapshots shrink by a third against bf16
+    and restore faster, at a cost in agreement with the fp32 forward far below the q4 weights' own
+    (docs/performance.md). Otherwise the model's own dtype (``float32`` weights keep an fp32 cache: their
+    greedy replies equal transformers' exactly)."""
     if setting == "auto" and weights == "q4" and device.type == "cpu":
-        return torch.bfloat16
+        return torch.int8 if native and sys.byteorder == "little" else torch.bfloat16
+    if setting == "int8":
+        if sys.byteorder != "little":  # an int8 row's scale is written in the host's order (docs/snapshot-format.md)
+            raise ConfigError('model.dtype = "int8" (an int8 KV cache) needs a little-endian host')
+        if weights == "transformers" or device.type != "cpu":
+            raise ConfigError('model.dtype = "int8" (an int8 KV cache) runs on the compact forward on the CPU: it '
+                              'needs model.weights other than "transformers" and the CPU as the device')
+        return torch.int8
     return resolve_dtype(setting, device)
 
 
@@ -394,9 +406,9 @@ class ModelRunner:
         config = model.config.get_text_config()
         weights = resolve_weights(settings.weights, device, config, has_gguf=has_gguf)
         forward: LlamaForward | None = None
-        kv_dtype = resolve_kv_dtype(settings.dtype, device, weights)
-        native = weights != "transformers" and device.type == "cpu" and kv_dtype in (torch.float32, torch.bfloat16)
-        kernels = load_kernels(data_dir / "native") if native else None
+        compact_cpu = weights != "transformers" and device.type == "cpu"
+        kernels = load_kernels(data_dir / "native") if compact_cpu and settings.dtype != "float16" else None
+        kv_dtype = resolve_kv_dtype(settings.dtype, device, weights, native=kernels is not None)
         if weights == "q4":
             forward = gguf_forward(device, model, kernels)
         elif weights != "transformers":

@@ -23,11 +23,11 @@ void chatd_add_rms_norm(float *h, const uint16_t *add, int64_t add_stride, const
                         uint16_t *out, int rows, int hidden, int num_threads);
 void chatd_rope_write(float *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
                       const float *sin_table, void *keys, void *values, int64_t head_stride, const int64_t *slots,
-                      int rows, int num_heads, int num_kv_heads, int head_dim, int num_threads, int kv_bf16);
+                      int rows, int num_heads, int num_kv_heads, int head_dim, int num_threads, int kv_type);
 void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t *row_index, float *out,
                             const void *keys, const void *values, int64_t head_stride, const int32_t *tables,
                             int64_t table_stride, const int32_t *lengths, int rows, int num_heads, int num_kv_heads,
-                            int head_dim, int block_size, float scale, int num_threads, int kv_bf16);
+                            int head_dim, int block_size, float scale, int num_threads, int kv_type);
 void chatd_silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int num_threads);
 void chatd_widen_bf16(const uint16_t *x, float *out, int64_t n);
 void chatd_round_bf16(const float *x, uint16_t *out, int64_t n);
@@ -43,7 +43,8 @@ struct chatd_layer {
 
 /* The model's sizes and the pool's layout. */
 struct chatd_shape {
-    int num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, block_size, kv_bf16;
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, block_size;
+    int kv_type; /* the pool's K/V storage: 0 fp32, 1 bf16, 2 int8 rows (decode_attention.c) */
     float eps, scale;
     int64_t head_stride; /* elements from one KV head's slots to the next's */
 };
@@ -85,10 +86,10 @@ int chatd_forward_step(const struct chatd_shape *s, const struct chatd_layer *la
                 break;
             chatd_widen_bf16(qkv, qkv32, r * qkv_n);
             chatd_rope_write(qkv32, qkv_n, positions, cos_table, sin_table, w->keys, w->values, s->head_stride,
-                             slots, rows, s->num_heads, s->num_kv_heads, s->head_dim, num_threads, s->kv_bf16);
+                             slots, rows, s->num_heads, s->num_kv_heads, s->head_dim, num_threads, s->kv_type);
             chatd_decode_attention(qkv32, qkv_n, order, attention32, w->keys, w->values, s->head_stride, tables,
                                    table_stride, lengths, rows, s->num_heads, s->num_kv_heads, s->head_dim,
-                                   s->block_size, s->scale, num_threads, s->kv_bf16);
+                                   s->block_size, s->scale, num_threads, s->kv_type);
             chatd_round_bf16(attention32, attention, r * q_n);
             if ((status = chatd_q4_matmul(attention, rows, q_n, w->o, 0, hidden, attended, num_threads)) != 0)
                 break;

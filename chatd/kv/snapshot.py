@@ -55,9 +55,11 @@ MAX_HEADER_PAYLOAD = 1 << 26  # 64 MiB: ~16M token ids; anything larger is not a
 MAX_TEXT_BYTES = 0xFFFF
 
 # On-disk dtype codes; values are part of the format and never reused.
-_DTYPE_CODES: dict[str, int] = {"float32": 1, "bfloat16": 2, "float16": 3}
+# int8: a quantised cache's rows, each head_dim values and their fp32 scale's 4 bytes (chatd.engine.paged); its
+# fingerprint's head_dim is that row width.
+_DTYPE_CODES: dict[str, int] = {"float32": 1, "bfloat16": 2, "float16": 3, "int8": 4}
 _CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 # (live dtype, stored dtype) pairs allowed besides the lossless "stored == live".
 _LOSSY_MODES = {("float32", "bfloat16")}
 
@@ -70,7 +72,7 @@ class ModelFingerprint:
 
     model_id: str  # e.g. "SmolLM2-135M-Instruct"
     weights_hash: str  # hex digest identifying the weights
-    dtype: str  # torch dtype name of the live cache: "float32" | "bfloat16" | "float16"
+    dtype: str  # torch dtype name of the live cache: "float32" | "bfloat16" | "float16" | "int8"
     num_layers: int
     num_kv_heads: int
     head_dim: int
