@@ -16,7 +16,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -95,7 +95,9 @@ class CacheSettings(_Section):
     """Folder for KV snapshots; empty means ``<data_dir>/snapshots``."""
     disk_budget_mb: float = Field(default=4096.0, gt=0)
     """Snapshot files beyond this total are deleted oldest first (those sessions recompute)."""
-    zstd_level: int = Field(default=1, ge=-7, le=22)
+    zstd_level: Annotated[int, Field(ge=-7, le=22)] | Literal["auto"] = "auto"
+    """The snapshots' zstd level; ``auto``: 1 for float caches, -3 for int8 ones (chatd.kv.snapshot.default_level:
+    int8 values barely compress, and a negative level's frames decode as fast as a copy)."""
     snapshot_dtype: Literal["native", "bfloat16"] = "native"
     """``native`` stores the cache bit-exactly; ``bfloat16`` halves fp32 snapshots (lossy)."""
     share_prefixes: bool = True

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from chatd.config import Settings
+from chatd.config import ModelSettings, Settings
 from chatd.core import Chatd
 from chatd.engine.native import load_kernels
 from chatd.engine.runner import ModelRunner
 from chatd.errors import ContextLengthExceeded
+from chatd.kv.snapshot import SnapshotInfo, read_info
 from chatd.protocol import GenerationParams, Usage
 from chatd.turns import TurnResult
 
@@ -357,3 +358,33 @@ async def test_a_turn_larger_than_the_budget_is_refused_up_front(make_settings: 
         assert await core.repo.get_messages(sid) == []
         ok = await turn(core, sid, "hi", 1, n=20)
         assert isinstance(ok.usage, Usage)
+
+
+async def test_an_int8_cache_restores_bit_exactly_after_eviction_and_after_a_restart(
+        make_settings: SettingsFactory, tiny_dir: Path) -> None:
+    # An int8 cache's rows carry their scales: the snapshot (written at zstd's fast level) brings back every
+    # byte, after an eviction and in a new server on the same files.
+    runner = ModelRunner.load(ModelSettings(source=str(tiny_dir), threads=1, dtype="int8"), tiny_dir)
+    settings = make_settings(tiny_dir, cache={"restore_min_tokens": 0})
+    async with Chatd.open(settings, runner=runner, background=False) as core:
+        sid = (await core.sessions.create(system="Keep this exact.")).session_id
+        await turn(core, sid, "some history", 1, n=20)
+        before = await _cache_tensors(core, sid)
+        assert before[0].dtype == torch.int8 and before[0].shape[-1] == runner.info.head_dim + 4
+        assert await core.sessions.evict(sid)
+        record = await core.snapshots.record(sid)
+        assert record is not None
+        assert read_info_at(core.snapshots.store.path_for(sid)).zstd_level == -3
+        assert await core.sessions.restore(sid) == "device"
+        assert all(torch.equal(a, b) for a, b in zip(before, await _cache_tensors(core, sid), strict=True))
+    async with Chatd.open(settings, runner=runner, background=False) as core:
+        assert not core.kv.is_resident(sid)
+        assert await core.sessions.restore(sid) == "device"
+        assert all(torch.equal(a, b) for a, b in zip(before, await _cache_tensors(core, sid), strict=True))
+        result = await turn(core, sid, "next", 2)
+        assert result.usage.cache_tier == "disk" and result.usage.cached_tokens == before[0].shape[1]
+
+
+def read_info_at(path: Path) -> SnapshotInfo:
+    with path.open("rb") as f:
+        return read_info(f)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import struct
 import threading
@@ -31,12 +32,13 @@ from chatd.kv.snapshot import (
     ModelFingerprint,
     SnapshotInfo,
     allocate_targets,
+    default_level,
     read_info,
     read_snapshot,
     snapshot_targets_shape,
     write_snapshot,
 )
-from chatd.kv.snapshot_frames import RECORD, frame_sum
+from chatd.kv.snapshot_frames import RECORD, default_threads, frame_sum
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -655,3 +657,25 @@ def test_each_decode_helper_runs_the_callers_thread_setup_first() -> None:
                   thread_setup=lambda: seen.append(threading.current_thread().name))
     assert_bit_equal(targets, layers)
     assert len(seen) == 2 and all(name.startswith("chatd-snapshot-decode") for name in seen)
+
+
+def test_int8_bodies_are_written_fast_and_decoded_on_the_calling_thread() -> None:
+    # int8 rows barely compress: by default they are written at zstd's fast level -3 (literals stored as they
+    # are), and such a body decodes on the calling thread even when it is large (no helper runs thread_setup);
+    # a float body of the same size is spread over helpers.
+    wide = fingerprint("float32", num_layers=8)
+    fp = dataclasses.replace(wide, dtype="int8", head_dim=wide.head_dim + INT8_SCALE_BYTES)
+    layers = [(quantize_rows(k), quantize_rows(v)) for k, v in kv_like(wide, 2048)]
+    ids = list(range(2048))
+    assert default_level("int8") == -3 and default_level("bfloat16") == default_level("float32") == 1
+    fast, small = encode(fp, ids, layers), encode(fp, ids, layers, level=1)
+    assert read_info(io.BytesIO(fast)).zstd_level == -3 and read_info(io.BytesIO(small)).zstd_level == 1
+    assert len(fast) > len(small)  # what the speed costs
+    for data, helpers in ((fast, 0), (small, 1)):
+        seen: list[str] = []
+        targets = allocate_targets(fp, 2048)
+        read_snapshot(io.BytesIO(data), expected=fp, expected_ids=ids, targets=targets,
+                      thread_setup=functools.partial(seen.append, "helper"))
+        assert all(torch.equal(g, w) for got, want in zip(targets, layers, strict=True)
+                   for g, w in zip(got, want, strict=True))
+        assert (len(seen) > 0) == bool(helpers) or default_threads() == 1

@@ -145,10 +145,11 @@ class SnapshotService:
         Raises OSError (disk full, I/O error) with the previous snapshot, if any, left intact."""
         ids = list(token_ids)
         stored = None if self.settings.snapshot_dtype == "native" else self.settings.snapshot_dtype
+        level = self.settings.zstd_level
 
         def write() -> int:
             return self.store.write(session_id, lambda f: write_snapshot(
-                f, self.fingerprint, ids, layers, level=self.settings.zstd_level, stored_dtype=stored,
+                f, self.fingerprint, ids, layers, level=None if level == "auto" else level, stored_dtype=stored,
                 kernels=self.kernels))
 
         file_bytes: int = await self._in_io(write)
