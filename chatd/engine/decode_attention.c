@@ -452,6 +452,23 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
 __attribute__((optimize("no-fast-math", "fp-contract=off")))
 static void quantize_row(const float *x, int n, int8_t *out)
 {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) { /* the same operations 16 lanes at a time: division and rounding are exact per lane */
+        __m512 top16 = _mm512_setzero_ps();
+        for (int d = 0; d < n; d += 16)
+            top16 = _mm512_max_ps(top16, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+        const float scale = _mm512_reduce_max_ps(top16) / 127.0f;
+        const __m512 by = _mm512_set1_ps(scale);
+        for (int d = 0; d < n; d += 16) {
+            const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + d), by),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128((__m128i *)(out + d),
+                             scale > 0.0f ? _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)) : _mm_setzero_si128());
+        }
+        memcpy(out + n, &scale, sizeof scale);
+        return;
+    }
+#endif
     float top = 0.0f;
     for (int d = 0; d < n; d++)
         top = fabsf(x[d]) > top ? fabsf(x[d]) : top;
@@ -572,10 +589,11 @@ void chatd_add_rms_norm(float *h, const uint16_t *add, int64_t add_stride, const
 }
 
 /* The MLP's activation: gate_up rows are [gate (inter) | up (inter)] in bf16, contiguous;
- * out[r, j] = bf16(silu(gate[r, j]) * up[r, j]), out contiguous [rows, inter]. */
+ * out[r, j] = bf16(silu(gate[r, j]) * up[r, j]), out contiguous [rows, inter]. On the threads from 8,192
+ * values (a decode step of 8 SmolLM2 rows: 0.25 -> 0.18 ms a step; 16 rows 0.43 -> 0.30). */
 void chatd_silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int num_threads)
 {
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * inter >= 65536)
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * inter >= 8192)
     for (int r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
         uint16_t *o = out + (int64_t)r * inter;
