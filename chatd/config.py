@@ -99,7 +99,8 @@ class CacheSettings(_Section):
     """The snapshots' zstd level; ``auto``: 1 for float caches, -3 for int8 ones (chatd.kv.snapshot.default_level:
     int8 values barely compress, and a negative level's frames decode as fast as a copy)."""
     snapshot_dtype: Literal["native", "bfloat16"] = "native"
-    """``native`` stores the cache bit-exactly; ``bfloat16`` halves fp32 snapshots (lossy)."""
+    """``native`` stores the cache bit-exactly; ``bfloat16`` halves fp32 snapshots (lossy); caches of any other
+    dtype are stored bit-exactly either way."""
     share_prefixes: bool = True
     """A session's first turn (or one that finds no cache of its own) starts from the longest prefix of its
     prompt already in the KV pool, referencing those blocks instead of recomputing them: blocks other

@@ -147,7 +147,7 @@ class PagedKVPool:
         """Contiguous per-layer copies ``[kv_heads, num_tokens, row_width]`` of one sequence's K and V
         (the snapshot format's per-layer shape), as stored."""
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        # [layers, 2, kv_heads, blocks, block_size, head_dim] -> [layers, 2, kv_heads, tokens, head_dim]
+        # [layers, 2, kv_heads, blocks, block_size, row] -> [layers, 2, kv_heads, tokens, row]
         tokens = self.kv.index_select(3, ids).flatten(3, 4)[:, :, :, :num_tokens].contiguous()
         return [(tokens[layer, 0], tokens[layer, 1]) for layer in range(self.num_layers)]
 

@@ -144,7 +144,9 @@ class SnapshotService:
 
         Raises OSError (disk full, I/O error) with the previous snapshot, if any, left intact."""
         ids = list(token_ids)
-        stored = None if self.settings.snapshot_dtype == "native" else self.settings.snapshot_dtype
+        # snapshot_dtype = "bfloat16" narrows fp32 caches; any other cache is stored as it is
+        lossy = self.settings.snapshot_dtype != "native" and self.fingerprint.dtype == "float32"
+        stored = self.settings.snapshot_dtype if lossy else None
         level = self.settings.zstd_level
 
         def write() -> int:
