@@ -36,22 +36,22 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "tile_matmul.c", "step.c",
                                                                     "planes.c"))
-# -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
-# given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
-# to flush-to-zero for denormals, which changes torch's own arithmetic.
 # The pool dtypes the attention and the K/V write take, and their kv_type codes (decode_attention.c); an int8
 # pool's positions are rows of head_dim values and their fp32 scale (chatd.engine.paged.quantize_rows).
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+# chatd_q4_matmul_kind()'s answers
+_TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx"}
+# -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
+# given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
+# to flush-to-zero for denormals, which changes torch's own arithmetic.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
+LINK_FLAGS = ("-shared", "-fopenmp")
+BUILD_TIMEOUT_S = 120
 
 
 def _head_dim(kv: torch.Tensor) -> int:
     """The head dimension of pool ``kv`` (its last axis: head_dim, or an int8 row's head_dim + 4)."""
     return kv.shape[-1] - (INT8_SCALE_BYTES if kv.dtype == torch.int8 else 0)
-# chatd_q4_matmul_kind()'s answers
-_TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx"}
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
-LINK_FLAGS = ("-shared", "-fopenmp")
-BUILD_TIMEOUT_S = 120
 
 
 def _cpu_signature() -> str:
