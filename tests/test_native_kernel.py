@@ -1,8 +1,9 @@
 """The native kernels (chatd/engine/decode_attention.c, tile_matmul.c, step.c, planes.c): built once per machine
 and cached; decode attention equal to torch's over the same block tables, and used by the compact forward's decode
 steps with the same greedy tokens as without it; the element-wise steps equal to torch's; the Q4_1 and
-Q8_0 tile matmuls (AMX tiles and AVX512-VNNI vectors, each where the CPU has it) equal to their references:
-the bf16 dequantised weights (AMX), the exact weights times x rounded to int8 per block (VNNI); a whole q4
+Q8_0 tile matmuls (AMX tiles, AVX512-VNNI and AVX2 vectors, each where the CPU has it) equal to their references:
+the bf16 dequantised weights (AMX), the exact weights times x rounded to int8 per block (VNNI, AVX2); where the
+CPU has AVX512, the attention and element-wise kernels also as built for AVX2 alone (x86-64-v3); a whole q4
 step in one native call equal to the loop over layers, bit for bit; the snapshot codec's byte-plane split and
 join (planes.c) equal to numpy's."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import platform
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 
 from chatd.engine.kvcache import KVPool, attend
 from chatd.engine.llama import NATIVE_ATTENTION_MAX_RUN
-from chatd.engine.native import EngineKernels, build, load_kernels
+from chatd.engine.native import NATIVE_ARCH, EngineKernels, build, load_kernels
 from chatd.engine.paged import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
 from chatd.engine.quant import (
     TILE_KINDS,
@@ -37,9 +39,22 @@ from chatd.engine.quant import (
 from chatd.engine.runner import ModelRunner, gguf_forward
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> EngineKernels:
-    loaded = load_kernels(tmp_path_factory.mktemp("native"))
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return any(line.startswith("flags") and " avx512f " in f"{line} " for line in cpuinfo)
+    except OSError:
+        return False
+
+
+# The kernels for this CPU and, where it has AVX512, also built for x86-64-v3 (AVX2, FMA, F16C), which compiles
+# the AVX2 attention and element-wise paths a CPU without AVX512 runs (a Zen 3's, say) in their place.
+_ARCHES = [NATIVE_ARCH, *(["x86-64-v3"] if platform.machine() == "x86_64" and _has_avx512() else [])]
+
+
+@pytest.fixture(scope="module", params=_ARCHES)
+def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> EngineKernels:
+    loaded = load_kernels(tmp_path_factory.mktemp("native"), request.param)
     assert loaded is not None, "the test machine has a C compiler (make test installs one: scripts/setup.sh)"
     return loaded
 
@@ -330,6 +345,11 @@ def _q4_weight(n: int, k: int, seed: int) -> Q4_1Weight:
                       quants=torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8))
 
 
+def _q8_weight(n: int, k: int, generator: torch.Generator) -> Q8_0Weight:
+    return Q8_0Weight(scale=(torch.rand(n, k // 32, generator=generator) * 0.01).half(),
+                      quants=torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8))
+
+
 @pytest.fixture(params=TILE_KINDS)
 def tile_kind(request: pytest.FixtureRequest, kernel: EngineKernels) -> Iterator[str]:
     """Each tile kernel this CPU has, selected for the test and the best one restored after it."""
@@ -406,8 +426,7 @@ def test_the_q8_tile_matmul_equals_its_reference(kernel: EngineKernels, tile_kin
     """The same for a Q8_0 weight (the LM head's format)."""
     generator = torch.Generator().manual_seed(11)
     for n, k in ((32, 64), (4096, 576)):
-        weight = Q8_0Weight(scale=(torch.rand(n, k // 32, generator=generator) * 0.01).half(),
-                            quants=torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8))
+        weight = _q8_weight(n, k, generator)
         tiles = pack_for(tile_kind, weight)
         assert tiles.shape == _layout_shape(tile_kind, n, k, 544)
         for m in (1, 4, 9, 16, 70):
@@ -464,6 +483,27 @@ def test_the_tile_kinds_agree(kernel: EngineKernels) -> None:
     assert (on_tiles - on_vectors).abs().max() <= 0.02 * on_tiles.abs().max()
 
 
+def test_the_avx2_kernel_computes_the_avx512_vnni_kernels_bits(kernel: EngineKernels) -> None:
+    """AVX2 reads the VNNI layout as two halves and sums the same exact integer block sums, in the same fp32 order:
+    on a CPU with both, Q4_1 and Q8_0 products are equal bit for bit, whatever the rows."""
+    if kernel.select_tile_matmul("avx512-vnni") != "avx512-vnni":
+        kernel.select_tile_matmul(None)
+        pytest.skip("this CPU (or this build) has no AVX512-VNNI to compare with")
+    generator = torch.Generator().manual_seed(13)
+    q8 = _q8_weight(80, 3072, generator)
+    try:
+        for weight, n, k, is_q8 in ((_q4_weight(960, 576, 3), 960, 576, False), (q8, 80, 3072, True)):
+            for m in (1, 3, 8, 17):
+                x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
+                assert kernel.select_tile_matmul("avx512-vnni") == "avx512-vnni"
+                on_512 = kernel.tile_matmul(x, pack_for("avx512-vnni", weight), n, q8=is_q8)
+                assert kernel.select_tile_matmul("avx2") == "avx2"
+                on_256 = kernel.tile_matmul(x, pack_for("avx2", weight), n, q8=is_q8)
+                assert torch.equal(on_512, on_256), (n, k, m)
+    finally:
+        kernel.select_tile_matmul(None)
+
+
 def test_under_amx_calls_of_few_rows_run_the_vector_kernel_and_many_the_tiles(kernel: EngineKernels) -> None:
     """Under AMX, a call of fewer rows than ``amx_min_rows`` (16) equals the vector kernel's result on the
     same weight bit for bit (it runs that kernel, on the second layout), and a call of more rows equals
@@ -502,8 +542,7 @@ def test_under_amx_a_call_of_many_rows_equals_its_rows_in_calls_of_64(kernel: En
         kernel.select_tile_matmul(None)
         pytest.skip("this CPU has no AMX tiles")
     generator = torch.Generator().manual_seed(12)
-    q8 = Q8_0Weight(scale=(torch.rand(80, 96, generator=generator) * 0.01).half(),
-                    quants=torch.randint(-128, 128, (80, 3072), generator=generator, dtype=torch.int8))
+    q8 = _q8_weight(80, 3072, generator)
     default = kernel.amx_min_rows
     kernel.amx_min_rows = 1  # the last rows' call may be short: on the tiles too
     try:
@@ -523,7 +562,7 @@ def test_under_amx_a_call_of_many_rows_equals_its_rows_in_calls_of_64(kernel: En
 
 def test_the_tile_linear_refuses_a_kernel_its_weights_are_not_packed_for(kernel: EngineKernels) -> None:
     if not kernel.tile_matmul_kind:
-        pytest.skip("this CPU has neither AMX tiles nor AVX512-VNNI")
+        pytest.skip("this CPU has no tile kernel (neither AMX, AVX512-VNNI nor AVX2)")
     linear = TileQ4Linear(_q4_weight(64, 96, 7), kernel)
     linear.kind = "avx512-vnni" if linear.kind == "amx" else "amx"  # as if packed for the other kernel
     with pytest.raises(RuntimeError, match="packed for"):
@@ -536,7 +575,7 @@ def test_the_packaged_model_runs_its_q4_blocks_on_the_tile_kernel(real_runner: M
     kernels = real_runner.forward.kernels if real_runner.forward is not None else None
     assert kernels is not None
     if not kernels.tile_matmul_kind:
-        pytest.skip("this CPU has neither AMX tiles nor AVX512-VNNI")
+        pytest.skip("this CPU has no tile kernel (neither AMX, AVX512-VNNI nor AVX2)")
     forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
     for layer in forward.weights.layers:
         assert all(isinstance(p, TileQ4Linear) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))

@@ -105,6 +105,41 @@ int chatd_decode_attention_limits(int group, int head_dim, int block_size)
            block_size <= MAX_BLOCK;
 }
 
+/* Asks for the `bytes` of K and V at byte `offset` of the pool's K and V into the cache, a line at a time. */
+static inline void prefetch_block(const void *keys, const void *values, int64_t offset, int bytes)
+{
+    for (int line = 0; line < bytes; line += 64) {
+        __builtin_prefetch((const char *)keys + offset + line, 0, 3);
+        __builtin_prefetch((const char *)values + offset + line, 0, 3);
+    }
+}
+
+/* The table attend_blocks_for[kv_type] of a block walk `walk` (attend_blocks16 or attend_blocks8, below, one per
+ * vector width): the walk compiled once per K/V storage type, and within each, common shapes (64-wide heads,
+ * groups of 1 to 4 query heads per KV head) get copies of their own, in which the compiler unrolls the loops over
+ * heads and chunks and keeps every accumulator in a register. */
+typedef void (*attend_blocks_fn)(const float *, int64_t, const void *, const void *, const int32_t *, int, int, int,
+                                 int, int, int, float, float *);
+#define ATTEND_SHAPE(walk, kv_type, g, d)                                                                           \
+    walk(q, q_head_stride, keys, values, table, length, first_block, end_block, g, d, block_size, scale, state,     \
+         kv_type)
+#define ATTEND_FOR_TYPE(walk, kv_type)                                                                              \
+    static void walk##_##kv_type(const float *q, int64_t q_head_stride, const void *keys, const void *values,       \
+                                 const int32_t *table, int length, int first_block, int end_block, int group,       \
+                                 int head_dim, int block_size, float scale, float *state)                           \
+    {                                                                                                               \
+        if (head_dim == 64 && group == 1) ATTEND_SHAPE(walk, kv_type, 1, 64);                                       \
+        else if (head_dim == 64 && group == 2) ATTEND_SHAPE(walk, kv_type, 2, 64);                                  \
+        else if (head_dim == 64 && group == 3) ATTEND_SHAPE(walk, kv_type, 3, 64);                                  \
+        else if (head_dim == 64 && group == 4) ATTEND_SHAPE(walk, kv_type, 4, 64);                                  \
+        else ATTEND_SHAPE(walk, kv_type, group, head_dim);                                                          \
+    }
+#define ATTEND_BLOCKS_TABLE(walk)                                                                                   \
+    ATTEND_FOR_TYPE(walk, KV_F32)                                                                                   \
+    ATTEND_FOR_TYPE(walk, KV_BF16)                                                                                  \
+    ATTEND_FOR_TYPE(walk, KV_INT8)                                                                                  \
+    static const attend_blocks_fn attend_blocks_for[3] = {walk##_KV_F32, walk##_KV_BF16, walk##_KV_INT8};
+
 #if defined(__AVX512F__)
 /* e^x for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor polynomial in r (relative error
  * about 1e-7, a unit in the last place), scaled by 2^n. Lanes below -87.3 give 0 or a denormal, above
@@ -180,13 +215,8 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
         const int n = length - start < block_size ? length - start : block_size;
         const __mmask16 live = (__mmask16)((1u << n) - 1u);
         const int64_t first = (int64_t)table[j] * block_size * row;
-        if (start + block_size < end) { /* the next block's K and V: another place in the pool */
-            const int64_t next = (int64_t)table[j + 1] * block_size * row * esize;
-            for (int line = 0; line < block_size * row * esize; line += 64) {
-                _mm_prefetch((const char *)keys + next + line, _MM_HINT_T0);
-                _mm_prefetch((const char *)values + next + line, _MM_HINT_T0);
-            }
-        }
+        if (start + block_size < end) /* the next block's K and V: another place in the pool */
+            prefetch_block(keys, values, (int64_t)table[j + 1] * block_size * row * esize, block_size * row * esize);
         /* Each key is widened once for the group's query heads; each head's 16 products per key are summed
          * for the block's keys together (sum16x16), the unused lanes of a partial block over zeros. */
         for (int t = 0; t < n; t++) {
@@ -246,47 +276,7 @@ attend_blocks16(const float *restrict q, int64_t q_head_stride, const void *rest
     }
 }
 
-/* attend_blocks16 compiled once per K/V storage type, and within each, common shapes (64-wide heads, groups
- * of 1 to 4 query heads per KV head) get copies of their own, in which the compiler unrolls the loops over
- * heads and chunks and keeps every accumulator in a register. */
-static inline __attribute__((always_inline)) void
-attend_shaped(const float *q, int64_t q_head_stride, const void *keys, const void *values, const int32_t *table,
-              int length, int first_block, int end_block, int group, int head_dim, int block_size, float scale,
-              float *state, const int kv_type)
-{
-    if (head_dim == 64 && group >= 1 && group <= 4) {
-        switch (group) {
-        case 1: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 1, 64,
-                                block_size, scale, state, kv_type); return;
-        case 2: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 2, 64,
-                                block_size, scale, state, kv_type); return;
-        case 3: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 3, 64,
-                                block_size, scale, state, kv_type); return;
-        default: attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, 4, 64,
-                                 block_size, scale, state, kv_type); return;
-        }
-    }
-    attend_blocks16(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,
-                    block_size, scale, state, kv_type);
-}
-
-/* attend_blocks16 for one storage type, as a plain function of its own (the table below picks one per call). */
-#define ATTEND_BLOCKS16_FOR(name, kv_type)                                                                         \
-    static void name(const float *q, int64_t q_head_stride, const void *keys, const void *values,                  \
-                     const int32_t *table, int length, int first_block, int end_block, int group, int head_dim,    \
-                     int block_size, float scale, float *state)                                                    \
-    {                                                                                                              \
-        attend_shaped(q, q_head_stride, keys, values, table, length, first_block, end_block, group, head_dim,     \
-                      block_size, scale, state, kv_type);                                                          \
-    }
-ATTEND_BLOCKS16_FOR(attend_blocks16_f32, KV_F32)
-ATTEND_BLOCKS16_FOR(attend_blocks16_bf16, KV_BF16)
-ATTEND_BLOCKS16_FOR(attend_blocks16_int8, KV_INT8)
-
-typedef void (*attend_blocks_fn)(const float *, int64_t, const void *, const void *, const int32_t *, int, int, int,
-                                 int, int, int, float, float *);
-static const attend_blocks_fn attend_blocks16_for[3] = {attend_blocks16_f32, attend_blocks16_bf16,
-                                                        attend_blocks16_int8};
+ATTEND_BLOCKS_TABLE(attend_blocks16)
 
 /* The attention of query heads [g0, g0 + group) from the states of `parts` block ranges (consecutive,
  * head_dim + 2 floats per query head each, as attend_blocks16 leaves them): the running softmaxes merged
@@ -320,6 +310,215 @@ static void finish16(const float *restrict states, int parts, int group, int hea
             _mm512_storeu_ps(out + g * head_dim + 16 * c, _mm512_mul_ps(acc[c], inv));
     }
 }
+#define VECTOR_LANES 16
+#define finish_states finish16
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same walk on 8-lane vectors, for CPUs with AVX2 but not AVX512 (AMD Zen 2 and Zen 3, Intel before Ice
+ * Lake): a block's 16 keys are scored as two vectors of 8, and the values are added in two passes of half the
+ * head's chunks, so that the group's accumulators of a pass stay in the 16 registers there are. */
+#include <immintrin.h>
+
+/* e^x for 8 lanes, as exp16; x is held to [-87.3, 88.3] (so 2^n stays a normal float): a lane below gives
+ * about 1e-38 instead of a denormal or 0. */
+static inline __m256 exp8(__m256 x)
+{
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+/* The 8 lanes' sums of 8 vectors: lane t of the result is the sum of v[t]'s lanes. */
+static inline __m256 sum8x8(const __m256 *v)
+{
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    /* 128-bit lane l of b0: v0..v3's sums over their lane l; of b1: v4..v7's */
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+static inline float hmax8(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static inline float hsum8(__m256 v)
+{
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+/* 8 K or V values from element `index` of an fp32, bf16 or int8 (kv_type) array, as fp32 (int8 unscaled). */
+static inline __m256 kv8(const void *base, int64_t index, int kv_type)
+{
+    if (kv_type == KV_INT8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + index))));
+    if (kv_type == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + index))), 16));
+    return _mm256_loadu_ps((const float *)base + index);
+}
+
+/* attend_blocks16 on 8 lanes (head_dim a multiple of 8, block_size <= 16); the same state left per query head. */
+static inline __attribute__((always_inline)) void
+attend_blocks8(const float *restrict q, int64_t q_head_stride, const void *restrict keys,
+               const void *restrict values, const int32_t *restrict table, int length, int first_block,
+               int end_block, int group, int head_dim, int block_size, float scale, float *restrict state,
+               const int kv_type)
+{
+    const int esize = kv_esize(kv_type), row = kv_row(kv_type, head_dim), chunks = head_dim / 8;
+    const int half_chunks = (chunks + 1) / 2;
+    float key_scale[16] __attribute__((aligned(32))), value_scale[16] __attribute__((aligned(32)));
+    float score[MAX_GROUP][16] __attribute__((aligned(32)));
+    __m256 dots[MAX_GROUP][16];
+    float best[MAX_GROUP], total[MAX_GROUP];
+    float *acc = state; /* per query head g: acc at state + g * (head_dim + 2) + 2, kept in memory between blocks */
+    for (int g = 0; g < group; g++) {
+        best[g] = -INFINITY;
+        total[g] = 0.0f;
+        for (int d = 0; d < head_dim; d++)
+            acc[g * (head_dim + 2) + 2 + d] = 0.0f;
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int end = end_block * block_size < length ? end_block * block_size : length;
+    for (int start = first_block * block_size, j = first_block; start < end; start += block_size, j++) {
+        const int n = length - start < block_size ? length - start : block_size;
+        const int64_t first = (int64_t)table[j] * block_size * row;
+        if (start + block_size < end) /* the next block's K and V: another place in the pool */
+            prefetch_block(keys, values, (int64_t)table[j + 1] * block_size * row * esize, block_size * row * esize);
+        for (int t = 0; t < n; t++) {
+            const int64_t kt = first + (int64_t)t * row;
+            __m256 key[MAX_HEAD_DIM / 8];
+            for (int c = 0; c < chunks; c++)
+                key[c] = kv8(keys, kt + 8 * c, kv_type);
+            if (kv_type == KV_INT8) {
+                key_scale[t] = row_scale(keys, kt, head_dim);
+                value_scale[t] = row_scale(values, kt, head_dim);
+            }
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + g * q_head_stride;
+                __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(qg), key[0]);
+                for (int c = 1; c < chunks; c++)
+                    dot = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), key[c], dot);
+                dots[g][t] = dot;
+            }
+        }
+        for (int t = n; t < 16; t++) {
+            key_scale[t] = value_scale[t] = 0.0f;
+            for (int g = 0; g < group; g++)
+                dots[g][t] = _mm256_setzero_ps();
+        }
+        const __m256 live0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+        const __m256 live1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane));
+        __m256 scale0 = _mm256_set1_ps(scale), scale1 = scale0;
+        if (kv_type == KV_INT8) { /* an int8 key's scale multiplies its score, an int8 value's its softmax weight */
+            scale0 = _mm256_mul_ps(_mm256_load_ps(key_scale), scale0);
+            scale1 = _mm256_mul_ps(_mm256_load_ps(key_scale + 8), scale1);
+        }
+        const __m256 dead = _mm256_set1_ps(-INFINITY);
+        for (int g = 0; g < group; g++) {
+            const __m256 s0 = _mm256_blendv_ps(dead, _mm256_mul_ps(sum8x8(dots[g]), scale0), live0);
+            const __m256 s1 = n > 8 ? _mm256_blendv_ps(dead, _mm256_mul_ps(sum8x8(dots[g] + 8), scale1), live1) : dead;
+            const float top_here = hmax8(_mm256_max_ps(s0, s1));
+            const float top = top_here > best[g] ? top_here : best[g];
+            const float shrink = expf(best[g] - top); /* 0 on the first block (best = -inf) */
+            const __m256 by = _mm256_set1_ps(top);
+            const __m256 p0 = _mm256_and_ps(exp8(_mm256_sub_ps(s0, by)), live0);
+            const __m256 p1 = n > 8 ? _mm256_and_ps(exp8(_mm256_sub_ps(s1, by)), live1) : _mm256_setzero_ps();
+            total[g] = total[g] * shrink + hsum8(_mm256_add_ps(p0, p1));
+            best[g] = top;
+            if (kv_type == KV_INT8) {
+                _mm256_store_ps(score[g], _mm256_mul_ps(p0, _mm256_load_ps(value_scale)));
+                _mm256_store_ps(score[g] + 8, _mm256_mul_ps(p1, _mm256_load_ps(value_scale + 8)));
+            } else {
+                _mm256_store_ps(score[g], p0);
+                _mm256_store_ps(score[g] + 8, p1);
+            }
+            float *a = acc + g * (head_dim + 2) + 2;
+            const __m256 s = _mm256_set1_ps(shrink);
+            for (int c = 0; c < chunks; c++)
+                _mm256_storeu_ps(a + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), s));
+        }
+        /* the values, in two passes over the block of half the chunks each: a pass's accumulators stay in
+         * registers (3 query heads of 64-wide heads: 12 of the 16) */
+        for (int c0 = 0; c0 < chunks; c0 += half_chunks) {
+            const int c1 = c0 + half_chunks < chunks ? c0 + half_chunks : chunks;
+            __m256 sum[MAX_GROUP][MAX_HEAD_DIM / 16];
+            for (int g = 0; g < group; g++)
+                for (int c = c0; c < c1; c++)
+                    sum[g][c - c0] = _mm256_loadu_ps(acc + g * (head_dim + 2) + 2 + 8 * c);
+            for (int t = 0; t < n; t++) {
+                const int64_t vt = first + (int64_t)t * row;
+                __m256 p[MAX_GROUP];
+                for (int g = 0; g < group; g++)
+                    p[g] = _mm256_broadcast_ss(&score[g][t]);
+                for (int c = c0; c < c1; c++) {
+                    const __m256 vc = kv8(values, vt + 8 * c, kv_type);
+                    for (int g = 0; g < group; g++)
+                        sum[g][c - c0] = _mm256_fmadd_ps(p[g], vc, sum[g][c - c0]);
+                }
+            }
+            for (int g = 0; g < group; g++)
+                for (int c = c0; c < c1; c++)
+                    _mm256_storeu_ps(acc + g * (head_dim + 2) + 2 + 8 * c, sum[g][c - c0]);
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        state[g * (head_dim + 2)] = best[g];
+        state[g * (head_dim + 2) + 1] = total[g];
+    }
+}
+
+ATTEND_BLOCKS_TABLE(attend_blocks8)
+
+/* finish16 on 8 lanes */
+static void finish8(const float *restrict states, int parts, int group, int head_dim, float *restrict out)
+{
+    const int stride = group * (head_dim + 2);
+    for (int g = 0; g < group; g++) {
+        float top = -INFINITY;
+        for (int s = 0; s < parts; s++) {
+            const float b = states[s * stride + g * (head_dim + 2)];
+            top = b > top ? b : top;
+        }
+        float total = 0.0f;
+        for (int d = 0; d < head_dim; d++)
+            out[g * head_dim + d] = 0.0f;
+        if (top > -INFINITY) {
+            for (int s = 0; s < parts; s++) {
+                const float *st = states + s * stride + g * (head_dim + 2);
+                if (st[0] == -INFINITY)
+                    continue; /* a range with no position */
+                const float weight = expf(st[0] - top);
+                total += st[1] * weight;
+                for (int d = 0; d < head_dim; d += 8)
+                    _mm256_storeu_ps(out + g * head_dim + d,
+                                     _mm256_fmadd_ps(_mm256_set1_ps(weight), _mm256_loadu_ps(st + 2 + d),
+                                                     _mm256_loadu_ps(out + g * head_dim + d)));
+            }
+        }
+        const __m256 inv = _mm256_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
+        for (int d = 0; d < head_dim; d += 8)
+            _mm256_storeu_ps(out + g * head_dim + d, _mm256_mul_ps(_mm256_loadu_ps(out + g * head_dim + d), inv));
+    }
+}
+#define VECTOR_LANES 8
+#define finish_states finish8
 #endif
 
 static void attend_pair(const float *restrict q, int64_t q_head_stride, float *restrict out,
@@ -397,8 +596,8 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
     const int esize = kv_esize(kv_type);
     const int group = num_heads / num_kv_heads;
     const int pairs = rows * num_kv_heads;
-#if defined(__AVX512F__)
-    if (head_dim % 16 == 0 && block_size <= 16) {
+#if defined(VECTOR_LANES)
+    if (head_dim % VECTOR_LANES == 0 && block_size <= 16) {
         /* Fewer (row, KV head) pairs than twice the threads (one session's decode step): each pair's blocks
          * are split into ranges that run in parallel, then merged, so every thread has work. */
         int longest = 0;
@@ -418,18 +617,18 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
             const int first = states != NULL ? part * per : 0, end = states != NULL ? first + per : blocks;
             float local[MAX_GROUP * (MAX_HEAD_DIM + 2)];
             float *state = states != NULL ? states + (int64_t)item * state_size : local;
-            attend_blocks16_for[kv_type](
+            attend_blocks_for[kv_type](
                 qr, head_dim, (const char *)keys + h * head_stride * esize,
                 (const char *)values + h * head_stride * esize, tables + (int64_t)r * table_stride, lengths[r],
                 first, end, group, head_dim, block_size, scale, state);
             if (states == NULL)
-                finish16(state, 1, group, head_dim,
+                finish_states(state, 1, group, head_dim,
                          out + (int64_t)row_index[r] * num_heads * head_dim + (int64_t)h * group * head_dim);
         }
         if (states != NULL) {
             for (int pair = 0; pair < pairs; pair++) {
                 const int r = pair / num_kv_heads, h = pair % num_kv_heads;
-                finish16(states + (int64_t)pair * parts * state_size, parts, group, head_dim,
+                finish_states(states + (int64_t)pair * parts * state_size, parts, group, head_dim,
                          out + (int64_t)row_index[r] * num_heads * head_dim + (int64_t)h * group * head_dim);
             }
             free(states);

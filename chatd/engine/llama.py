@@ -297,7 +297,7 @@ class LlamaForward:
         # fp32 K/V): RoPE with the K/V write for every row, and the attention of single-token runs. None:
         # torch's ops alone.
         self.kernels: EngineKernels | None = None
-        # With every projection on the tile kernel (the q4 model where AMX or AVX512-VNNI runs), a step whose runs
+        # With every projection on the tile kernel (the q4 model where a tile kernel runs), a step whose runs
         # all attend natively runs as one native call (EngineKernels.forward_step), planned once per pool (a
         # forward may serve several runners' pools; a pool's plan goes with the pool).
         tiled = [p for layer in weights.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]

@@ -1,6 +1,6 @@
 """The engine's native CPU kernels: RoPE with the K/V write into the paged pool, decode attention over
 it and the element-wise steps between a layer's projections (``decode_attention.c``), the Q4_1 and
-Q8_0 matmuls on AMX tiles or AVX512-VNNI vectors (``tile_matmul.c``), and a whole forward step of the q4
+Q8_0 matmuls on AMX tiles, AVX512-VNNI vectors or AVX2 ones (``tile_matmul.c``), and a whole forward step of the q4
 model made of those in one call (``step.c``); and, for the KV snapshot codec, the split of a head slab into
 byte planes and their join back (``planes.c``).
 
@@ -40,11 +40,14 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c"
 # pool's positions are rows of head_dim values and their fp32 scale (chatd.engine.paged.quantize_rows).
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # chatd_q4_matmul_kind()'s answers
-_TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx"}
+_TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx", 3: "avx2"}
 # -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
+COMPILE_FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
+# The instruction set compiled for: this very CPU. The tests also build for x86-64-v3 (AVX2, FMA, F16C: a
+# CPU without AVX512, such as AMD's Zen 3) to run the AVX2 kernels on a machine that has AVX512 too.
+NATIVE_ARCH = "native"
 LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120
 
@@ -69,9 +72,9 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(cache_dir: Path) -> Path:
-    """The compiled library for this machine, building it into ``cache_dir`` unless it is there already.
-    Raises RuntimeError (no compiler, or the build failed)."""
+def build(cache_dir: Path, arch: str = NATIVE_ARCH) -> Path:
+    """The compiled library for this machine (``-march=arch``), building it into ``cache_dir`` unless it is
+    there already. Raises RuntimeError (no compiler, or the build failed)."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install cc)")
@@ -81,7 +84,8 @@ def build(cache_dir: Path) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"the C compiler {compiler} does not run: {exc}") from None
     texts = [source.read_text() for source in SOURCES]
-    key = hashlib.sha256("\0".join([*texts, *COMPILE_FLAGS, *LINK_FLAGS, version, platform.machine(),
+    flags = (f"-march={arch}", *COMPILE_FLAGS)
+    key = hashlib.sha256("\0".join([*texts, *flags, *LINK_FLAGS, version, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     target = cache_dir / f"engine-kernels-{key}.so"
     if target.exists():
@@ -90,7 +94,7 @@ def build(cache_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
         built = Path(scratch) / target.name
         objects = [str(Path(scratch) / f"{source.stem}.o") for source in SOURCES]
-        commands = [([compiler, *COMPILE_FLAGS, str(source), "-o", obj], source.name)
+        commands = [([compiler, *flags, str(source), "-o", obj], source.name)
                     for source, obj in zip(SOURCES, objects, strict=True)]
         commands.append(([compiler, *LINK_FLAGS, *objects, "-o", str(built), "-lm"], target.name))
         for command, name in commands:
@@ -128,7 +132,7 @@ class EngineKernels:
         self._tile_matmul.argtypes = [p, i32, i32, p, i32, i32, p, i32]
         self._tile_matmul.restype = i32
         # Which units run tile_matmul: AMX tiles (compiled in, as the CPU has them, and granted to this
-        # process by the kernel), else AVX512-VNNI vectors, else none.
+        # process by the kernel), else AVX512-VNNI vectors, else AVX2 vectors, else none.
         self._select_tile_matmul = lib.chatd_q4_matmul_select
         self._select_tile_matmul.argtypes = [i32]
         self._select_tile_matmul.restype = i32
@@ -211,9 +215,9 @@ class EngineKernels:
         self._split_planes(elements.ctypes.data, planes.ctypes.data, n, size)
 
     def select_tile_matmul(self, kind: str | None) -> str | None:
-        """Run ``kind`` (``"amx"`` or ``"avx512-vnni"``) for :meth:`tile_matmul` from now on where this CPU has it,
-        the best one for None; returns the kind in effect. The vector kernel also runs where AMX does (the tests
-        compare the two); the server always runs the best."""
+        """Run ``kind`` (``"amx"``, ``"avx512-vnni"`` or ``"avx2"``) for :meth:`tile_matmul` from now on where
+        this CPU has it, the best one for None; returns the kind in effect. The vector kernels also run where AMX
+        does, AVX2 where AVX512-VNNI does (the tests compare them); the server always runs the best."""
         codes: dict[str | None, int] = {name: number for number, name in _TILE_KINDS.items()}
         code = codes[kind]
         self.tile_matmul_kind = _TILE_KINDS[self._select_tile_matmul(code)]
@@ -239,7 +243,7 @@ class EngineKernels:
         kind = self.tile_matmul_kind
         if not (kind and x.dtype == torch.bfloat16 and x.is_contiguous() and tiles.dtype == torch.uint8
                 and tiles.is_contiguous() and tiles.numel() == tile_bytes(n, k, q8=q8, kind=kind)):
-            raise ValueError("tile_matmul: unexpected dtypes or layouts, or no AMX / AVX512-VNNI here")
+            raise ValueError("tile_matmul: unexpected dtypes or layouts, or no tile kernel here")
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
             _check_status("tile_matmul", self._tile_matmul(x.data_ptr(), m, k, tiles.data_ptr(), int(q8), n,
@@ -371,16 +375,17 @@ class StepPlan:
             for index, layer in enumerate(self.tensors)))
 
 
-_loaded: dict[Path, EngineKernels | None] = {}
+_loaded: dict[tuple[Path, str], EngineKernels | None] = {}
 
 
-def load_kernels(cache_dir: Path) -> EngineKernels | None:
-    """The kernels built for this machine (once per process and ``cache_dir``), or None when they cannot be
-    built here (logged)."""
-    if cache_dir not in _loaded:
+def load_kernels(cache_dir: Path, arch: str = NATIVE_ARCH) -> EngineKernels | None:
+    """The kernels built for this machine (once per process, ``cache_dir`` and ``arch``, see :func:`build`),
+    or None when they cannot be built here (logged)."""
+    key = (cache_dir, arch)
+    if key not in _loaded:
         try:
-            _loaded[cache_dir] = EngineKernels(build(cache_dir))
+            _loaded[key] = EngineKernels(build(cache_dir, arch))
         except (RuntimeError, OSError) as exc:
             log.warning("native kernels unavailable, the engine uses torch's ops alone: %s", exc)
-            _loaded[cache_dir] = None
-    return _loaded[cache_dir]
+            _loaded[key] = None
+    return _loaded[key]

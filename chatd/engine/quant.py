@@ -45,7 +45,9 @@ import numpy as np
 import torch
 
 GROUP_SIZE = 32  # weights per ggml block, and the kernel's group size
-TILE_KINDS = ("amx", "avx512-vnni")  # the native tile kernels (EngineKernels.tile_matmul_kind)
+TILE_KINDS = ("amx", "avx512-vnni", "avx2")  # the native tile kernels (EngineKernels.tile_matmul_kind)
+# the kinds that read the vector layout only (AVX2 reads AVX512-VNNI's 64-byte vectors as two halves)
+VECTOR_KINDS = ("avx512-vnni", "avx2")
 _Q4_1_BLOCK_BYTES = 20
 _Q8_0_BLOCK_BYTES = 34
 _INNER_K_TILES = 2  # required by the packing op's signature; the CPU packing does not depend on it
@@ -230,9 +232,9 @@ class _TileLinear:
     """``y = x @ W^T`` for a quantised weight on the native tile kernel (:meth:`EngineKernels.tile_matmul`),
     bf16 in and out, at the quantised weight's memory traffic: each tile of the weight is read once per call,
     for every row. On AMX tiles it is dequantised to exactly the bf16 copy of the dequantised fp32 weight (the
-    dense twin's values); on AVX512-VNNI the quants multiply x rounded to int8 per block of 32 (as llama.cpp
-    does). Where AMX runs, calls of fewer rows than :attr:`EngineKernels.amx_min_rows` take the vector kernel,
-    on the second layout the weight is packed in (:func:`pack_for`)."""
+    dense twin's values); on AVX512-VNNI or AVX2 vectors the quants multiply x rounded to int8 per block of 32
+    (as llama.cpp does). Where AMX runs, calls of fewer rows than :attr:`EngineKernels.amx_min_rows` take the
+    vector kernel, on the second layout the weight is packed in (:func:`pack_for`)."""
 
     takes_bf16 = True
     q8 = False
@@ -302,12 +304,12 @@ def pack_q8_quads(weight: Q8_0Weight) -> torch.Tensor:
 
 def pack_for(kind: str, weight: Q4_1Weight | Q8_0Weight) -> torch.Tensor:
     """``weight`` in the layout the tile kernel ``kind`` (:attr:`EngineKernels.tile_matmul_kind`) reads: the
-    vector kernel's ``[N / 16, K / 32, tile bytes]``; under AMX ``[2, ...]``, the AMX tiles and then the vector
-    kernel's, which takes the calls of few rows (``chatd/engine/tile_matmul.c``)."""
+    vector kernels' ``[N / 16, K / 32, tile bytes]`` (AVX512-VNNI's and AVX2's); under AMX ``[2, ...]``, the AMX
+    tiles and then the vector kernel's, which takes the calls of few rows (``chatd/engine/tile_matmul.c``)."""
     if kind not in TILE_KINDS:
         raise ValueError(f"no tile kernel {kind!r}")
     quads = pack_q8_quads(weight) if isinstance(weight, Q8_0Weight) else pack_q4_quads(weight)
-    if kind == "avx512-vnni":
+    if kind in VECTOR_KINDS:
         return quads
     tiles = pack_q8_tiles(weight) if isinstance(weight, Q8_0Weight) else pack_q4_tiles(weight)
     return torch.stack([tiles, quads])

@@ -325,8 +325,8 @@ def gguf_forward(device: torch.device, dequantised: Any | None = None,
                  kernels: EngineKernels | None = None) -> LlamaForward:
     """The compact forward over the packaged GGUF's own Q4_1 / Q8_0 blocks (CPU int4 kernel).
 
-    ``kernels`` with a tile matmul (:attr:`EngineKernels.tile_matmul_kind`: AMX tiles or AVX512-VNNI
-    vectors; with AMX, steps of few rows on the vectors): the Q4_1 and Q8_0 blocks run on it, at the blocks'
+    ``kernels`` with a tile matmul (:attr:`EngineKernels.tile_matmul_kind`: AMX tiles, AVX512-VNNI
+    or AVX2 vectors; with AMX, steps of few rows on the vectors): the Q4_1 and Q8_0 blocks run on it, at the blocks'
     memory traffic and growing slowly in the rows; there is no twin (``python -m benchmarks.quant_matmul``).
     Without one, ``dequantised`` (the converted fp32 model, the same weights dequantised exactly) gives
     batches of several rows (prefill chunks, decode steps of many sessions) a dense twin: bf16 on a CPU with

@@ -1,5 +1,5 @@
-/* chatd's weight-stationary Q4_1 and Q8_0 matmuls for the CPU's AMX tiles or its AVX512-VNNI vector units
- * (chatd/engine/native.py builds and loads this file next to decode_attention.c; chatd/engine/quant.py's
+/* chatd's weight-stationary Q4_1 and Q8_0 matmuls for the CPU's AMX tiles, its AVX512-VNNI vector units or,
+ * where it has neither, AVX2 (chatd/engine/native.py builds and loads this file next to decode_attention.c; chatd/engine/quant.py's
  * TileQ4Linear and TileQ8Linear pack the weights).
  *
  * y[M, N] = x[M, K] @ W^T for bf16 x and y and a Q4_1 weight W (per block of 32 inputs: w = d * q + m,
@@ -31,6 +31,7 @@
  *     v + 4 in its high nibbles, output n's 4 quants at bytes 4n..4n+3; then 16 fp16 d, 16 fp16 m;
  *   Q8_0, 544 bytes: 8 vectors of 64 bytes, quad row r's q + 128 (as uint8) at bytes 4n..4n+3 of vector
  *     r; then 16 fp16 d.
+ * The AVX2 kernel (at the end of this file) reads the same layout as two 32-byte halves per vector.
  * chatd_q4_matmul_kind() says which kernel this process runs (and so which layout the weights need).
  *
  * Where AMX runs, a weight is packed in both layouts, the AMX tiles first and then the vector kernel's
@@ -470,8 +471,184 @@ static void vnni_group(const int8_t *xq, const float *dx, const float *dx_sum, i
     }
 }
 
-static int vnni_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
-                       int num_threads)
+#endif /* HAVE_VNNI */
+
+/* ---------------------------------------------------------------- AVX2 */
+
+/* Where the CPU has neither AMX nor AVX512 (AMD Zen 2 and Zen 3, Intel before Ice Lake), the same integer dot
+ * products on 256-bit vectors, on the vector kernel's layout: the 32-byte halves of a 64-byte vector are outputs
+ * 0..7 and 8..15 of the tile. VPMADDUBSW multiplies unsigned by signed bytes and adds adjacent pairs into int16
+ * lanes; a weight is split into 4-bit parts (Q4_1's quant is one, Q8_0's q + 128 two), so that a pair stays
+ * within 2 * 15 * 127 and the int16 sums of a block's 8 quad rows within 30,480: no lane saturates, and the
+ * block's sums are exact, as on AVX512-VNNI. VPMADDWD then adds the int16 pairs into one int32 per output (with
+ * weight 16 for a Q8_0 quant's high part). x is quantised exactly as the VNNI kernel quantises it, so the two
+ * compute the same block sums and differ only in the order of the fp32 sums. */
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2 1
+#endif
+
+#ifdef HAVE_AVX2
+#include <immintrin.h>
+#include <stdlib.h>
+
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 4 /* tiles */
+#endif
+#define AVX2_ROWS 4 /* rows of x per pass: a block sum (and a Q8_0 one's second) and a total each, in registers */
+
+/* 8 bf16 values -> fp32 (exact) */
+static inline __m256 widen_bf16x8(__m128i bits)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+/* 8 fp32 values -> bf16 bits, rounded to nearest even (finite values) */
+static inline __m128i narrow_bf16x8(__m256 values)
+{
+    const __m256i bits = _mm256_castps_si256(values);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    /* packus works per 128-bit lane: lanes 0 and 2 of the 64-bit view hold the 8 results in order */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08));
+}
+
+/* As the VNNI kernel's quantise_row, on 8 lanes: the same xq, dx and dx_sum. */
+__attribute__((optimize("no-fast-math"))) static void quantise_row_avx2(const uint16_t *row, int k, int8_t *xq,
+                                                                       float *dx, float *dx_sum)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int kb = 0; kb < k / 32; kb++) {
+        __m256 part[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            part[i] = widen_bf16x8(_mm_loadu_si128((const __m128i *)(row + 32 * kb + 8 * i)));
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, part[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        const float scale = _mm_cvtss_f32(m4) / 127.0f;
+        const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(part[i], inverse)); /* to nearest even */
+        /* int32 -> int8 with saturation; the packs interleave 128-bit lanes, the permute restores the order */
+        const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+        const __m256i q16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+        const __m256i q8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(q16, q16b), 0xd8);
+        _mm256_storeu_si256((__m256i *)(xq + 32 * kb), q8);
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        dx[kb] = scale;
+        dx_sum[kb] = scale * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+/* Rows [row0, row0 + ROWS) of the quantised x against half `half` (outputs 8 * half .. + 7) of output group g. */
+static inline __attribute__((always_inline)) void avx2_rows(const int8_t *xq, const float *dx, const float *dx_sum,
+                                                             int row0, const int ROWS, int k, const uint8_t *group,
+                                                             int q8, int g, int half, uint16_t *y, int n)
+{
+    const int blocks = k / 32, tile_bytes = q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
+    __m256 total[AVX2_ROWS];
+    for (int r = 0; r < ROWS; r++)
+        total[r] = _mm256_setzero_ps();
+    for (int kb = 0; kb < blocks; kb++) {
+        const uint8_t *tile = group + (int64_t)kb * tile_bytes;
+        if (half == 0)
+            for (int line = 0; line < tile_bytes; line += 64)
+                _mm_prefetch((const char *)tile + PREFETCH_AHEAD * tile_bytes + line, _MM_HINT_T0);
+        __m256 d, offset;
+        if (q8) {
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 512 + 16 * half)));
+            offset = _mm256_mul_ps(d, _mm256_set1_ps(-128.0f));
+        } else {
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 256 + 16 * half)));
+            offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 288 + 16 * half)));
+        }
+        __m256i sum[AVX2_ROWS], high[AVX2_ROWS]; /* int16 pair sums; high: a Q8_0 quant's upper 4 bits' */
+        for (int r = 0; r < ROWS; r++)
+            sum[r] = high[r] = _mm256_setzero_si256();
+        if (q8) {
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(tile + 64 * v + 32 * half));
+                const __m256i lo = _mm256_and_si256(raw, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+#pragma GCC unroll 8
+                for (int r = 0; r < ROWS; r++) {
+                    int32_t quad;
+                    memcpy(&quad, xq + (row0 + r) * (int64_t)k + 32 * kb + 4 * v, sizeof quad);
+                    const __m256i xv = _mm256_set1_epi32(quad);
+                    sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(lo, xv));
+                    high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(hi, xv));
+                }
+            }
+        } else {
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(tile + 64 * v + 32 * half));
+                const __m256i lo = _mm256_and_si256(raw, low4);                         /* quad row v */
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);  /* quad row v + 4 */
+#pragma GCC unroll 8
+                for (int r = 0; r < ROWS; r++) {
+                    int32_t a, b;
+                    memcpy(&a, xq + (row0 + r) * (int64_t)k + 32 * kb + 4 * v, sizeof a);
+                    memcpy(&b, xq + (row0 + r) * (int64_t)k + 32 * kb + 4 * (v + 4), sizeof b);
+                    sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+                    sum[r] = _mm256_add_epi16(sum[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b)));
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) {
+            __m256i dot = _mm256_madd_epi16(sum[r], ones);
+            if (q8)
+                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(high[r], sixteens));
+            const int64_t at = (row0 + r) * (int64_t)blocks + kb;
+            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(dx[at])), total[r]);
+            total[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(dx_sum[at]), total[r]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        _mm_storeu_si128((__m128i *)(y + (int64_t)(row0 + r) * n + 16 * g + 8 * half), narrow_bf16x8(total[r]));
+}
+
+static void avx2_group(const int8_t *xq, const float *dx, const float *dx_sum, int m, int k, const uint8_t *tiles,
+                       int q8, int g, uint16_t *y, int n)
+{
+    const int tile_bytes = q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES;
+    const uint8_t *group = tiles + (int64_t)g * (k / 32) * tile_bytes;
+    for (int half = 0; half < 2; half++) {
+        int row0 = 0;
+        for (; row0 + AVX2_ROWS <= m; row0 += AVX2_ROWS)
+            avx2_rows(xq, dx, dx_sum, row0, AVX2_ROWS, k, group, q8, g, half, y, n);
+        switch (m - row0) {
+        case 3: avx2_rows(xq, dx, dx_sum, row0, 3, k, group, q8, g, half, y, n); break;
+        case 2: avx2_rows(xq, dx, dx_sum, row0, 2, k, group, q8, g, half, y, n); break;
+        case 1: avx2_rows(xq, dx, dx_sum, row0, 1, k, group, q8, g, half, y, n); break;
+        default: break;
+        }
+    }
+}
+
+#endif /* HAVE_AVX2 */
+
+/* ---------------------------------------------------------------- the vector kernels' driver */
+
+#if defined(HAVE_VNNI) || defined(HAVE_AVX2)
+typedef void (*quantise_row_fn)(const uint16_t *row, int k, int8_t *xq, float *dx, float *dx_sum);
+typedef void (*vector_group_fn)(const int8_t *xq, const float *dx, const float *dx_sum, int m, int k,
+                                const uint8_t *tiles, int q8, int g, uint16_t *y, int n);
+
+/* Every row of x quantised per block of 32 (`quantise`), then each group of 16 outputs over all rows (`group`),
+ * the groups spread over the threads. */
+static int vector_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
+                         int num_threads, quantise_row_fn quantise, vector_group_fn group)
 {
     const int groups = n / 16, blocks = k / 32;
     int8_t *xq = malloc((size_t)m * k);
@@ -486,19 +663,18 @@ static int vnni_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, in
     {
 #pragma omp for schedule(static)
         for (int r = 0; r < m; r++)
-            quantise_row(x + (int64_t)r * k, k, xq + (int64_t)r * k, dx + (int64_t)r * blocks,
-                         dx_sum + (int64_t)r * blocks);
+            quantise(x + (int64_t)r * k, k, xq + (int64_t)r * k, dx + (int64_t)r * blocks,
+                     dx_sum + (int64_t)r * blocks);
         /* the loop's barrier: every row is quantised */
 #pragma omp for schedule(static)
         for (int g = 0; g < groups; g++)
-            vnni_group(xq, dx, dx_sum, m, k, tiles, q8, g, y, n);
+            group(xq, dx, dx_sum, m, k, tiles, q8, g, y, n);
     }
     free(xq);
     free(scales);
     return 0;
 }
-
-#endif /* HAVE_VNNI */
+#endif
 
 /* ---------------------------------------------------------------- entry points */
 
@@ -507,20 +683,38 @@ static int matmul_kind = -1;
 #define AMX_MIN_ROWS 16
 static int amx_min_rows = AMX_MIN_ROWS;
 
-static int best_kind(void)
+/* The kinds' codes (chatd/engine/native.py names them). */
+#define KIND_NONE 0
+#define KIND_VNNI 1
+#define KIND_AMX 2
+#define KIND_AVX2 3
+
+static int available(int kind)
 {
+    switch (kind) {
 #ifdef HAVE_AMX
-    if (amx_ready())
-        return 2;
+    case KIND_AMX: return amx_ready();
 #endif
 #ifdef HAVE_VNNI
-    return 1;
-#else
-    return 0;
+    case KIND_VNNI: return 1;
 #endif
+#ifdef HAVE_AVX2
+    case KIND_AVX2: return 1;
+#endif
+    default: return 0;
+    }
 }
 
-/* 2: AMX tiles (compiled in, and granted to this process), 1: AVX512-VNNI vectors, 0: neither. */
+static int best_kind(void)
+{
+    static const int preference[] = {KIND_AMX, KIND_VNNI, KIND_AVX2};
+    for (int i = 0; i < 3; i++)
+        if (available(preference[i]))
+            return preference[i];
+    return KIND_NONE;
+}
+
+/* 2: AMX tiles (compiled in, and granted to this process), 1: AVX512-VNNI vectors, 3: AVX2 vectors, 0: none. */
 int chatd_q4_matmul_kind(void)
 {
     if (matmul_kind < 0)
@@ -528,12 +722,12 @@ int chatd_q4_matmul_kind(void)
     return matmul_kind;
 }
 
-/* Run ``kind`` from now on where this build and CPU have it (the vector kernel also runs where AMX does: tests
- * compare the two), the best one for 0; returns the kind in effect. The weights' layout follows the kind. */
+/* Run ``kind`` from now on where this build and CPU have it (the vector kernels also run where AMX does: tests
+ * compare them), the best one for 0; returns the kind in effect. The weights' layout follows the kind (AVX2's is
+ * AVX512-VNNI's). */
 int chatd_q4_matmul_select(int kind)
 {
-    const int best = best_kind();
-    matmul_kind = kind >= 1 && kind <= best ? kind : best;
+    matmul_kind = kind != KIND_NONE && available(kind) ? kind : best_kind();
     return matmul_kind;
 }
 
@@ -554,16 +748,20 @@ int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q
 {
     const int kind = chatd_q4_matmul_kind();
 #ifdef HAVE_AMX
-    if (kind == 2) {
+    if (kind == KIND_AMX) {
         if (m < amx_min_rows) /* the vector layout follows the AMX one */
-            return vnni_matmul(x, m, k, tiles + (int64_t)(n / 16) * (k / 32) * (q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES),
-                               q8, n, y, num_threads);
+            return vector_matmul(x, m, k, tiles + (int64_t)(n / 16) * (k / 32) * (q8 ? Q8_TILE_BYTES : Q4_TILE_BYTES),
+                                 q8, n, y, num_threads, quantise_row, vnni_group);
         return amx_matmul(x, m, k, tiles, q8, n, y, num_threads);
     }
 #endif
 #ifdef HAVE_VNNI
-    if (kind == 1)
-        return vnni_matmul(x, m, k, tiles, q8, n, y, num_threads);
+    if (kind == KIND_VNNI)
+        return vector_matmul(x, m, k, tiles, q8, n, y, num_threads, quantise_row, vnni_group);
+#endif
+#ifdef HAVE_AVX2
+    if (kind == KIND_AVX2)
+        return vector_matmul(x, m, k, tiles, q8, n, y, num_threads, quantise_row_avx2, avx2_group);
 #endif
     (void)x, (void)m, (void)k, (void)tiles, (void)q8, (void)n, (void)y, (void)num_threads, (void)kind;
     return -1;
