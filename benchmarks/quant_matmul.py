@@ -18,7 +18,7 @@ memory traffic counts as it does in a decode step; the LM head there is fp32 / q
 
 A third table is the engine's decode path, bf16 in and out, over the same 30 layers' projections (no
 LM head): the int4 kernel (``Int4Linear.bf16``), the native tile kernel (``TileQ4Linear``'s
-``tile_matmul``) on AMX tiles for every call and on AVX512-VNNI vectors, each where the CPU has it, the
+``tile_matmul``) on AMX tiles for every call and on AVX512-VNNI and AVX2 vectors, each where the CPU has it, the
 engine's choice (with AMX, calls of fewer than ``EngineKernels.amx_min_rows`` rows on the vectors: this
 table sets that threshold), and the prepacked bf16 twin (``PackedBf16Linear``), which shows why a model with
 a tile kernel needs no dense twin of its layers.
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from chatd.dev import CACHE_DIR
 from chatd.engine.llama import PackedBf16Linear
 from chatd.engine.native import load_kernels
-from chatd.engine.quant import Int4Linear, Int8RowLinear, Q4_1Weight, Q8_0Linear, Q8_0Weight, pack_for
+from chatd.engine.quant import TILE_KINDS, Int4Linear, Int8RowLinear, Q4_1Weight, Q8_0Linear, Q8_0Weight, pack_for
 
 SHAPES = [  # (label, K, N)
     ("576x576 (q, o)", 576, 576),
@@ -87,18 +87,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--decode-only", action="store_true", help="only the third table (the decode path)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s); "
           "ms per call, best of", args.repeat)
-    print()
-    print("| K x N | M | fp32 | int4 | int8 | q8_0 | fp32 / int4 |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
     with torch.inference_mode():
-        for label, k, n in SHAPES:
-            shape_rows(label, k, n, args.repeat)
-        model_pass(args.repeat)
+        if not args.decode_only:
+            print()
+            print("| K x N | M | fp32 | int4 | int8 | q8_0 | fp32 / int4 |")
+            print("| --- | --- | --- | --- | --- | --- | --- |")
+            for label, k, n in SHAPES:
+                shape_rows(label, k, n, args.repeat)
+            model_pass(args.repeat)
         decode_pass(args.repeat)
 
 
@@ -150,7 +152,7 @@ def decode_pass(repeat: int) -> None:
     weights = [random_q4_1(n, k) for _ in range(LAYERS) for k, n in LAYER_SHAPES]
     int4 = [Int4Linear(w) for w in weights]
     twin = [PackedBf16Linear(w.dequantize()) if PackedBf16Linear.available() else None for w in weights]
-    kinds = [kind for kind in ("amx", "avx512-vnni")
+    kinds = [kind for kind in TILE_KINDS
              if kernels is not None and kernels.select_tile_matmul(kind) == kind]
     tiles = {kind: [(pack_for(kind, w), w.shape[0]) for w in weights] for kind in kinds}
     if kernels is not None:
@@ -161,8 +163,8 @@ def decode_pass(repeat: int) -> None:
             x = inputs[weight.shape[1]]
             if kind == "int4":
                 int4[index].bf16(x)
-            elif kind == "twin" and twin[index] is not None:
-                twin[index].bf16(x)
+            elif kind == "twin" and (dense := twin[index]) is not None:
+                dense.bf16(x)
             elif kernels is not None:
                 kernels.tile_matmul(x, *tiles[kind][index])
 
@@ -187,12 +189,16 @@ def decode_pass(repeat: int) -> None:
     print(f"Decode path: {LAYERS} layers x (q|k|v, o, gate|up, down), bf16 in and out, distinct weights per layer"
           + ("" if kinds else " (no tile kernel here: those columns are empty)"))
     print()
-    print("| M | int4 ms | AMX tiles ms | AVX512-VNNI tiles ms | engine's tile kernel ms | bf16 twin ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    macs = sum(k * n for k, n in LAYER_SHAPES) * LAYERS
+    print("| M | int4 ms | AMX tiles ms | AVX512-VNNI ms | AVX2 ms | engine's kernel ms | (GMAC/s) | bf16 twin ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in (1, 2, 4, 8, 12, 16, 32, 64, 128):
         inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (576, 1536)}
-        cells = [timed(column, inputs) for column in ("int4", "amx", "avx512-vnni", "engine", "twin")]
-        print(f"| {m} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |", flush=True)
+        cells = [timed(column, inputs) for column in ("int4", "amx", "avx512-vnni", "avx2", "engine")]
+        engine = cells[-1]
+        cells += [None if engine is None else m * macs / engine / 1e6, timed("twin", inputs)]
+        print(f"| {m} | " + " | ".join("-" if c is None else f"{c:.2f}" if i != 5 else f"{c:.0f}"
+                                      for i, c in enumerate(cells)) + " |", flush=True)
 
 
 if __name__ == "__main__":
