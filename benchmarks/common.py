@@ -17,8 +17,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from chatd.config import Settings
+    from chatd.core import Chatd
     from chatd.engine.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +48,20 @@ FIGURE_KEYS = (
 
 
 # ----------------------------------------------------------------------------- plans
+
+
+@asynccontextmanager
+async def open_chatd(settings: Settings, runner: ModelRunner) -> AsyncIterator[Chatd]:
+    """An in-process chatd over the run's loaded model (no background maintenance), yielded once the KV pool it
+    gets is faulted in: timings taken in it do not share the cores with that thread (a new pool of a few GB
+    takes seconds to populate on two cores, and a first turn beside it ran several times slower)."""
+    import asyncio
+
+    from chatd.core import Chatd
+
+    async with Chatd.open(settings, runner=runner, background=False) as core:
+        await asyncio.to_thread(core.kv.pool.wait_populated)
+        yield core
 
 
 @dataclass(frozen=True)

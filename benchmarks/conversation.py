@@ -18,7 +18,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import Bench, Column, Corpus, Figure, ratio
+from benchmarks.common import Bench, Column, Corpus, Figure, open_chatd, ratio
 from chatd import config
 from chatd.core import Chatd
 from chatd.protocol import GenerationParams
@@ -95,7 +95,7 @@ async def _ttft_vs_history(bench: Bench, corpus: Corpus) -> Figure:
         ])
     runner = bench.runner()
     params = _params(bench)
-    async with Chatd.open(_settings(bench, "ttft"), runner=runner, background=False) as core:
+    async with open_chatd(_settings(bench, "ttft"), runner) as core:
         kept = (await core.sessions.create(system=SYSTEM)).session_id
         recomputed = (await core.sessions.create(system=SYSTEM)).session_id
         opening = "I will send you my notes in several parts. Please read each part."
@@ -158,7 +158,7 @@ async def _edit_cost(bench: Bench, corpus: Corpus) -> Figure:
     runner = bench.runner()
     params = _params(bench)
     per_message = bench.plan.edit_history_tokens // bench.plan.edit_messages - 24
-    async with Chatd.open(_settings(bench, "edit"), runner=runner, background=False) as core:
+    async with open_chatd(_settings(bench, "edit"), runner) as core:
         sid = (await core.sessions.create(system=SYSTEM)).session_id
         for i in range(bench.plan.edit_messages):
             await _turn(core, sid, f"Notes, part {i + 1}:\n\n" + corpus.text(per_message), params)
@@ -218,7 +218,7 @@ async def _shared_prefix(bench: Bench, corpus: Corpus) -> Figure:
         settings = config.load(env={}, overrides={
             "data_dir": str(bench.subdir(f"shared-{count}")), "model": bench.model_settings(),
             "cache": {"persist_idle_s": 0, "idle_evict_s": 0, "device_budget_mb": 6144}, "log_level": "warning"})
-        async with Chatd.open(settings, runner=runner, background=False) as core:
+        async with open_chatd(settings, runner) as core:
             results = []
             for index in range(count):
                 sid = (await core.sessions.create(system=system)).session_id

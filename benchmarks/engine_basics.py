@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import open_chatd
 from chatd import config
 from chatd.config import ModelSettings
-from chatd.core import Chatd
 from chatd.engine.runner import ModelRunner
 from chatd.protocol import GenerationParams
 from chatd.turns import TurnResult
@@ -56,7 +56,7 @@ def _prefill_and_decode(runner: ModelRunner, context: int, decode_tokens: int = 
 async def _turns(runner: ModelRunner, data_dir: Path) -> list[TurnResult]:
     settings = config.load(env={}, overrides={"data_dir": str(data_dir)})
     results = []
-    async with Chatd.open(settings, runner=runner, background=False) as core:
+    async with open_chatd(settings, runner) as core:
         session = await core.sessions.create()
         for question in QUESTIONS:
             result = await core.sessions.send(session.session_id, question,

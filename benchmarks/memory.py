@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, Bench, Column, Corpus, Figure, peak_rss_bytes, proc_status_bytes, ratio
+from benchmarks.common import ROOT, Bench, Column, Corpus, Figure, open_chatd, peak_rss_bytes, proc_status_bytes, ratio
 
 MIB = 1024 * 1024
 
@@ -81,7 +81,6 @@ def run_memory(bench: Bench) -> Figure:
 async def _workload(args: argparse.Namespace) -> dict[str, Any]:
     from chatd import config
     from chatd.config import ModelSettings
-    from chatd.core import Chatd
     from chatd.dev import packaged_model_dir, tiny_model_dir
     from chatd.engine.runner import ModelRunner
     from chatd.protocol import GenerationParams
@@ -105,7 +104,7 @@ async def _workload(args: argparse.Namespace) -> dict[str, Any]:
     sampled_max = 0.0
     tiers: Counter[str] = Counter()
     started = time.perf_counter()
-    async with Chatd.open(settings, runner=runner, background=False) as core:
+    async with open_chatd(settings, runner) as core:
         kv = core.kv
         stop = asyncio.Event()
 
