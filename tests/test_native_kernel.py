@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from chatd.engine.kvcache import KVPool, attend
 from chatd.engine.llama import NATIVE_ATTENTION_MAX_RUN
-from chatd.engine.native import NATIVE_ARCH, EngineKernels, build, load_kernels
+from chatd.engine.native import NATIVE_ARCH, EngineKernels, _cpu_signature, build, load_kernels
 from chatd.engine.paged import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
 from chatd.engine.quant import (
     TILE_KINDS,
@@ -38,18 +38,10 @@ from chatd.engine.quant import (
 )
 from chatd.engine.runner import ModelRunner, gguf_forward
 
-
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            return any(line.startswith("flags") and " avx512f " in f"{line} " for line in cpuinfo)
-    except OSError:
-        return False
-
-
 # The kernels for this CPU and, where it has AVX512, also built for x86-64-v3 (AVX2, FMA, F16C), which compiles
 # the AVX2 attention and element-wise paths a CPU without AVX512 runs (a Zen 3's, say) in their place.
-_ARCHES = [NATIVE_ARCH, *(["x86-64-v3"] if platform.machine() == "x86_64" and _has_avx512() else [])]
+_HAS_AVX512 = platform.machine() == "x86_64" and "avx512f" in _cpu_signature().split()
+_ARCHES = [NATIVE_ARCH, *(["x86-64-v3"] if _HAS_AVX512 else [])]
 
 
 @pytest.fixture(scope="module", params=_ARCHES)
