@@ -606,6 +606,7 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
         const int blocks = (longest + block_size - 1) / block_size;
         int parts = pairs < 2 * num_threads ? (2 * num_threads + pairs - 1) / pairs : 1;
         parts = parts < blocks / SPLIT_MIN_BLOCKS ? parts : blocks / SPLIT_MIN_BLOCKS;
+        parts = parts > 1 ? parts : 1; /* a context under SPLIT_MIN_BLOCKS blocks: each pair whole, pairs still spread */
         const int state_size = group * (head_dim + 2);
         float *states = parts > 1 ? malloc(sizeof(float) * (size_t)pairs * parts * state_size) : NULL;
         const int per = parts > 1 ? (blocks + parts - 1) / parts : blocks;
