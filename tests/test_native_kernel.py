@@ -141,6 +141,25 @@ def _with_kv(runner: ModelRunner, kv_dtype: torch.dtype) -> ModelRunner:
     return other
 
 
+@pytest.mark.parametrize("threads", [2, 4])
+def test_decode_attention_spreads_every_call_of_two_or_more_pairs_over_the_threads(kernel: EngineKernels,
+                                                                                  threads: int) -> None:
+    """A call's pairs (or, for fewer pairs than twice the threads, their block ranges) run on the threads
+    whenever there are two or more. Short contexts once got 0 ranges, which ran every pair of a 16-session
+    step on one thread while the others waited."""
+    for pairs in range(1, 65):
+        for blocks in range(0, 129):
+            parts = kernel.attention_parts(pairs, blocks, threads)
+            assert parts >= 1, (pairs, blocks)
+            assert parts == 1 or blocks // parts >= 8, (pairs, blocks, parts)  # ranges of 8 blocks or more
+            if pairs >= 2:
+                assert pairs * parts >= 2
+            if pairs >= 2 * threads:
+                assert parts == 1, (pairs, blocks, parts)  # enough pairs: each stays whole
+    # one session's step over a long context (3 KV heads, 2,048 tokens): its pairs split so all threads work
+    assert 3 * kernel.attention_parts(3, 128, threads) >= 2 * threads
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_decode_steps_with_the_kernel_equal_torch_attention(real_runner: ModelRunner, kv_dtype: torch.dtype) -> None:
     """The engine on the CPU decodes through the kernel (tests/test_kv_pool.py checks its greedy tokens

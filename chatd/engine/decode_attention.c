@@ -587,6 +587,18 @@ static void attend_pair(const float *restrict q, int64_t q_head_stride, float *r
  * elements further (a slot's position starts at slot * (head_dim, plus the scale's 4 for int8)).
  * tables: [rows, table_stride] block ids; lengths: [rows] positions each row attends (its cache, new token
  * included). */
+/* Into how many ranges of blocks the decode kernel splits each (row, KV head) pair of a call: `pairs` pairs
+ * whose longest sequence has `blocks` blocks, on `num_threads` threads. Where there are fewer pairs than twice
+ * the threads (one session's step), a long pair is split so that every thread has work; otherwise, and for
+ * contexts under SPLIT_MIN_BLOCKS blocks, 1 (each pair whole). The call's items, pairs times ranges, run on
+ * the threads whenever there are two or more. */
+int chatd_decode_attention_parts(int pairs, int blocks, int num_threads)
+{
+    int parts = pairs < 2 * num_threads ? (2 * num_threads + pairs - 1) / pairs : 1;
+    parts = parts < blocks / SPLIT_MIN_BLOCKS ? parts : blocks / SPLIT_MIN_BLOCKS;
+    return parts > 1 ? parts : 1;
+}
+
 void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t *row_index, float *out,
                             const void *keys, const void *values, int64_t head_stride,
                             const int32_t *tables, int64_t table_stride, const int32_t *lengths, int rows,
@@ -604,9 +616,7 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
         for (int r = 0; r < rows; r++)
             longest = lengths[r] > longest ? lengths[r] : longest;
         const int blocks = (longest + block_size - 1) / block_size;
-        int parts = pairs < 2 * num_threads ? (2 * num_threads + pairs - 1) / pairs : 1;
-        parts = parts < blocks / SPLIT_MIN_BLOCKS ? parts : blocks / SPLIT_MIN_BLOCKS;
-        parts = parts > 1 ? parts : 1; /* a context under SPLIT_MIN_BLOCKS blocks: each pair whole, pairs still spread */
+        const int parts = chatd_decode_attention_parts(pairs, blocks, num_threads);
         const int state_size = group * (head_dim + 2);
         float *states = parts > 1 ? malloc(sizeof(float) * (size_t)pairs * parts * state_size) : NULL;
         const int per = parts > 1 ? (blocks + parts - 1) / parts : blocks;

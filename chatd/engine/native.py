@@ -146,6 +146,9 @@ class EngineKernels:
         self._limits = lib.chatd_decode_attention_limits
         self._limits.argtypes = [i32, i32, i32]
         self._limits.restype = i32
+        self._attention_parts = lib.chatd_decode_attention_parts
+        self._attention_parts.argtypes = [i32, i32, i32]
+        self._attention_parts.restype = i32
         self._join_planes = lib.chatd_join_planes
         self._join_planes.argtypes = [p, p, i64, i32]
         self._join_planes.restype = i32
@@ -155,6 +158,12 @@ class EngineKernels:
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
         return num_heads % num_kv_heads == 0 and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
+
+    def attention_parts(self, pairs: int, blocks: int, num_threads: int) -> int:
+        """Into how many block ranges :meth:`decode_attention` splits each (row, KV head) pair of a call of
+        ``pairs`` pairs whose longest sequence has ``blocks`` blocks (1: each pair whole); the call's pairs
+        times ranges run on the threads whenever there are two or more."""
+        return int(self._attention_parts(pairs, blocks, num_threads))
 
     def rope_write(self, qkv: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
