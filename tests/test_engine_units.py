@@ -16,6 +16,7 @@ from chatd.engine.sampling import (
     SamplingError,
     SamplingParams,
     draw_rows,
+    greedy_rows,
     make_generator,
     sample,
     sample_rows,
@@ -58,6 +59,27 @@ def test_rows_sampled_together_equal_rows_sampled_alone() -> None:
         alone = [sample(logits[r], p, g) for r, (p, g) in enumerate(zip(params, alone_gens, strict=True))]
         assert together == alone
     assert together[0] == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_greedy_rows_pick_what_torch_argmax_picks(dtype: torch.dtype) -> None:
+    """Greedy rows on the CPU go through numpy's argmax: the same ids as torch.argmax, ties to the lowest id,
+    a NaN as the largest value, rows of -inf and of signed zeros, and a strided view."""
+    torch.manual_seed(3)
+    logits = (torch.randn(9, 4099) * 8).to(dtype)
+    logits[1, 17] = logits[1, 4000] = logits[1].max() + 1  # a tie: the lower id
+    logits[2, 99] = logits[2, 3000] = float("nan")  # the first NaN
+    logits[3] = -float("inf")
+    logits[4] = 0.0
+    logits[4, 10] = -0.0
+    logits[4, 2] = -0.0
+    logits[5, 4098] = float("inf")
+    logits[6] = logits[6].round()  # many ties
+    with torch.inference_mode():
+        for rows in (logits, logits[:, ::2], logits[:1], logits.t().contiguous().t()):
+            assert greedy_rows(rows) == rows.argmax(dim=-1).tolist()
+    params = [SamplingParams(max_tokens=1)] * 9
+    assert sample_rows(logits, params, [None] * 9) == logits.argmax(dim=-1).tolist()
 
 
 def test_a_row_with_bad_logits_fails_alone() -> None:

@@ -1,5 +1,6 @@
-"""Sampling parameters and next-token selection. Pure torch, no model. The logits may live on any device;
-a step's rows are sampled there, and only the picked ids (with each row's finiteness) come to the host."""
+"""Sampling parameters and next-token selection: torch (numpy for greedy rows on the CPU), no model. The logits
+may live on any device; a step's rows are sampled there, and only the picked ids (with each row's finiteness)
+come to the host."""
 
 from __future__ import annotations
 
@@ -86,6 +87,19 @@ def make_generator(params: SamplingParams) -> torch.Generator:
 NUCLEUS_CANDIDATES = 1024
 
 
+# Logits dtypes numpy reads as they are: on the CPU its argmax (one vectorised pass) takes about a seventh of
+# torch's time there (16 rows of a 49,152-token vocabulary: 52 against 360 us, a few percent of a decode step).
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def greedy_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax over ``logits`` ``[rows, vocab]``: the lowest id of the row's largest value, a NaN
+    counting as the largest (as torch.argmax and numpy's argmax both have it)."""
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
+        return [int(token) for token in logits.numpy().argmax(axis=-1).tolist()]
+    return [int(token) for token in logits.argmax(dim=-1).tolist()]
+
+
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> list[int | SamplingError]:
     """The next token of every row of ``logits`` ``[rows, vocab]`` (any float dtype, any device), row ``r``
@@ -108,7 +122,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     num_rows, vocab = logits.shape
     drawing = [not p.greedy for p in params]
     if not any(drawing):
-        return [int(token) for token in logits.argmax(dim=-1).tolist()]
+        greedy: list[int | SamplingError] = [*greedy_rows(logits)]
+        return greedy
     device = logits.device
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     columns = [[p.temperature if draw else 1.0 for p, draw in zip(params, drawing, strict=True)],
