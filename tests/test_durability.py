@@ -17,6 +17,7 @@ import torch
 
 from chatd.config import ModelSettings, Settings
 from chatd.core import Chatd
+from chatd.engine.kvcache import SessionKV
 from chatd.engine.native import load_kernels
 from chatd.engine.runner import ModelRunner
 from chatd.errors import ContextLengthExceeded
@@ -45,6 +46,37 @@ def budget_mb(runner: ModelRunner, tokens: int) -> float:
 async def _cache_tensors(core: Chatd, session_id: str) -> list[torch.Tensor]:
     entry = core.kv._entries[session_id]
     return await core.worker.call(lambda: [t.clone() for k, v in entry.cache.filled_layers() for t in (k, v)])
+
+
+async def test_only_a_budget_short_of_room_weighs_the_resident_sessions(make_settings: SettingsFactory, tiny_dir: Path,
+                                                                       tiny_runner: ModelRunner,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn start counts each resident session's private blocks (work that grows with every session and
+    block) only when the budget lacks room for it; a turn that fits goes ahead without, and so does the
+    background round of persisting and idle eviction."""
+    weighed: list[str] = []
+    private_bytes = SessionKV.private_bytes
+
+    def counting(cache: SessionKV) -> int:
+        weighed.append("x")
+        return private_bytes.fget(cache)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(SessionKV, "private_bytes", property(counting))
+    roomy = make_settings(tiny_dir)
+    async with Chatd.open(roomy, runner=tiny_runner, background=False) as core:
+        ids = [(await core.sessions.create()).session_id for _ in range(4)]
+        for t in range(2):
+            for i, sid in enumerate(ids):
+                await turn(core, sid, f"message {t}", seed=10 * i + t)
+        await core.kv.tick()
+        assert weighed == [] and core.counters.num_evictions == 0
+    small = make_settings(tiny_dir, cache={"device_budget_mb": budget_mb(tiny_runner, 260), "restore_min_tokens": 0})
+    small = small.model_copy(update={"data_dir": str(Path(small.data_dir).parent / "small")})
+    async with Chatd.open(small, runner=tiny_runner, background=False) as core:
+        ids = [(await core.sessions.create()).session_id for _ in range(6)]
+        for i, sid in enumerate(ids):
+            await turn(core, sid, "a message long enough to fill the small budget " * 3, seed=i, n=24)
+        assert core.counters.num_evictions > 0 and weighed  # short of room: the sessions were weighed
 
 
 async def test_many_sessions_under_a_small_budget(make_settings: SettingsFactory, tiny_dir: Path,

@@ -19,6 +19,7 @@ from chatd.core import Chatd
 from chatd.engine.blocks import block_runs
 from chatd.engine.kvcache import KVPool, SessionKV, any_layer_kv, attend
 from chatd.engine.runner import ModelRunner
+from chatd.kv import manager as manager_module
 from chatd.protocol import GenerationParams
 from chatd.turns import TurnResult
 from tests.support import reference_greedy
@@ -285,7 +286,12 @@ async def test_a_new_turn_joins_the_step_right_after_its_cache_is_made(tiny_core
 
 
 async def test_room_queued_for_new_caches_counts_before_the_engine_makes_them(
-        make_settings: Callable[..., Settings], tiny_dir: Path, tiny_runner: ModelRunner) -> None:
+        make_settings: Callable[..., Settings], tiny_dir: Path, tiny_runner: ModelRunner,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A turn waiting for room is woken when the engine has given blocks back (a free, a trimmed reservation):
+    # those land after the release or eviction that asked for them has returned. Without that wake-up it
+    # slept until its periodic look; made a minute here, so a missed wake-up fails the test.
+    monkeypatch.setattr(manager_module, "ROOM_RECHECK_S", 60.0)
     # 16 blocks of 16 tokens; each acquire needs 7 (40 prompt + 60 new tokens): two fit, a third does not.
     budget_mb = 16 * 16 * tiny_runner.info.bytes_per_token / (1024 * 1024)
     settings = make_settings(tiny_dir, cache={"device_budget_mb": budget_mb, "share_prefixes": False})

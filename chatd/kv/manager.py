@@ -43,6 +43,8 @@ T = TypeVar("T")
 # After a turn, spare capacity beyond this many tokens is given back to the budget.
 SPARE_TOKENS = 64
 ROOM_WAIT_S = 120.0
+# A turn waiting for room looks again at least this often, should a wake-up go missing.
+ROOM_RECHECK_S = 5.0
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -149,8 +151,11 @@ class KVManager:
                 f"this turn needs room for {num_tokens} tokens of KV cache but the server's cache budget "
                 f"holds {self.max_tokens_for_budget()}")
 
-    def _records(self) -> list[policy.CacheRecord]:
-        return [policy.CacheRecord(e.session_id, e.cache.private_bytes, e.last_used,
+    def _records(self, *, with_bytes: bool = True) -> list[policy.CacheRecord]:
+        """Every resident session as the policies see it. A session's bytes are the blocks only it holds,
+        counted block by block; ``with_bytes=False`` leaves them 0 for the policies that do not weigh them
+        (persisting, idle eviction)."""
+        return [policy.CacheRecord(e.session_id, e.cache.private_bytes if with_bytes else 0, e.last_used,
                                    busy=e.busy or e.io is not None, persisted=e.persisted or e.ephemeral)
                 for e in self._entries.values()]
 
@@ -309,12 +314,22 @@ class KVManager:
             entry.last_used = self.clock()
             cache = lease.cache
             if cache.capacity - cache.length > SPARE_TOKENS:
-                self._tasks.spawn(self.worker.call(lambda: cache.reserve(cache.length + SPARE_TOKENS)))
+                self._tasks.spawn(self._give_back(lambda: cache.reserve(cache.length + SPARE_TOKENS)))
         self._tasks.spawn(self._notify_room())
 
     async def _notify_room(self) -> None:
         async with self._room:
             self._room.notify_all()
+
+    async def _give_back(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` (engine work that returns blocks to the pool: a free, a trimmed reservation), then wake
+        the turns waiting for room. The pool's count drops only when the engine has run it, after the release
+        or eviction that asked for it has returned: a turn that looked for room in between and found none is
+        waiting (up to ROOM_WAIT_S), and no other wake-up may come."""
+        try:
+            await self.worker.call(fn)
+        finally:
+            await self._notify_room()
 
     # ------------------------------------------------------------------ room
 
@@ -343,8 +358,10 @@ class KVManager:
         """Evict until ``need_bytes`` more fit. Called with ``self._room`` held."""
         deadline = self.clock() + ROOM_WAIT_S
         while True:
-            victims = policy.choose_victims(self._records(), need_bytes=need_bytes,
-                                            used_bytes=self._committed_bytes(),
+            used = self._committed_bytes()
+            if used + need_bytes <= self.budget_bytes:
+                return  # it fits: no need to weigh every resident session's blocks
+            victims = policy.choose_victims(self._records(), need_bytes=need_bytes, used_bytes=used,
                                             budget_bytes=self.budget_bytes, protect=protect)
             if victims == []:
                 return
@@ -353,7 +370,7 @@ class KVManager:
                 if remaining <= 0:
                     raise ContextLengthExceeded("the KV cache budget is held by running generations; try again")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), timeout=min(remaining, 5.0))
+                    await asyncio.wait_for(self._room.wait(), timeout=min(remaining, ROOM_RECHECK_S))
                 continue
             # Victims are marked busy (their I/O is in flight) before the lock is released, so nobody
             # else picks them, and their bytes stay counted until they are freed. Other sessions'
@@ -403,7 +420,7 @@ class KVManager:
         if self._entries.get(entry.session_id) is entry:
             del self._entries[entry.session_id]
         cache = entry.cache
-        self._tasks.spawn(self.worker.call(lambda: cache.free(forget=forget_blocks)))
+        self._tasks.spawn(self._give_back(lambda: cache.free(forget=forget_blocks)))
 
     # ------------------------------------------------------------------ snapshots
 
@@ -581,7 +598,7 @@ class KVManager:
     async def persist_all(self) -> int:
         """Snapshot every idle resident session not on disk yet (graceful shutdown). Returns how many."""
         count = 0
-        for session_id in policy.persist_candidates(self._records(), now=float("inf"), idle_s=1.0):
+        for session_id in policy.persist_candidates(self._records(with_bytes=False), now=float("inf"), idle_s=1.0):
             entry = self._entries.get(session_id)
             if entry is not None and not entry.busy and entry.io is None and entry.cached_ids:
                 count += await self._wait_task(self._start_io(entry, self._persist(entry)))
@@ -592,11 +609,13 @@ class KVManager:
         if self.snapshots is None:
             return
         now = self.clock()
-        for session_id in policy.persist_candidates(self._records(), now=now, idle_s=self.settings.persist_idle_s):
+        for session_id in policy.persist_candidates(self._records(with_bytes=False), now=now,
+                                                      idle_s=self.settings.persist_idle_s):
             entry = self._entries.get(session_id)
             if entry is not None and not entry.busy and entry.io is None and entry.cached_ids:
                 await self._wait_task(self._start_io(entry, self._persist(entry)))
-        for session_id in policy.idle_victims(self._records(), now=now, idle_s=self.settings.idle_evict_s):
+        for session_id in policy.idle_victims(self._records(with_bytes=False), now=now,
+                                              idle_s=self.settings.idle_evict_s):
             await self._wait_io(session_id)
             if await self._evict(session_id, reason="idle"):
                 await self._notify_room()
