@@ -150,10 +150,8 @@ def test_decode_attention_spreads_every_call_of_two_or_more_pairs_over_the_threa
     for pairs in range(1, 65):
         for blocks in range(0, 129):
             parts = kernel.attention_parts(pairs, blocks, threads)
-            assert parts >= 1, (pairs, blocks)
+            assert parts >= 1, (pairs, blocks)  # 0 ranges turned the parallel region off
             assert parts == 1 or blocks // parts >= 8, (pairs, blocks, parts)  # ranges of 8 blocks or more
-            if pairs >= 2:
-                assert pairs * parts >= 2
             if pairs >= 2 * threads:
                 assert parts == 1, (pairs, blocks, parts)  # enough pairs: each stays whole
     # one session's step over a long context (3 KV heads, 2,048 tokens): its pairs split so all threads work

@@ -581,12 +581,6 @@ static void attend_pair(const float *restrict q, int64_t q_head_stride, float *r
     }
 }
 
-/* q: query rows, [.., num_heads, head_dim] with row stride q_row_stride (elements); row r of the call is
- *    row_index[r]. out: [.., num_heads * head_dim] contiguous rows; the call's row r goes to out row row_index[r].
- * keys, values: this layer's K and V of KV head 0, fp32, bf16 or int8 rows (kv_type); head h starts head_stride
- * elements further (a slot's position starts at slot * (head_dim, plus the scale's 4 for int8)).
- * tables: [rows, table_stride] block ids; lengths: [rows] positions each row attends (its cache, new token
- * included). */
 /* Into how many ranges of blocks the decode kernel splits each (row, KV head) pair of a call: `pairs` pairs
  * whose longest sequence has `blocks` blocks, on `num_threads` threads. Where there are fewer pairs than twice
  * the threads (one session's step), a long pair is split so that every thread has work; otherwise, and for
@@ -599,6 +593,12 @@ int chatd_decode_attention_parts(int pairs, int blocks, int num_threads)
     return parts > 1 ? parts : 1;
 }
 
+/* q: query rows, [.., num_heads, head_dim] with row stride q_row_stride (elements); row r of the call is
+ *    row_index[r]. out: [.., num_heads * head_dim] contiguous rows; the call's row r goes to out row row_index[r].
+ * keys, values: this layer's K and V of KV head 0, fp32, bf16 or int8 rows (kv_type); head h starts head_stride
+ * elements further (a slot's position starts at slot * (head_dim, plus the scale's 4 for int8)).
+ * tables: [rows, table_stride] block ids; lengths: [rows] positions each row attends (its cache, new token
+ * included). */
 void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t *row_index, float *out,
                             const void *keys, const void *values, int64_t head_stride,
                             const int32_t *tables, int64_t table_stride, const int32_t *lengths, int rows,
