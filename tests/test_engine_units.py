@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from chatd.engine.sampling import (
     sample_rows,
 )
 from chatd.errors import ConfigError
-from chatd.kv.manager import common_prefix_len, reusable_prefix
+from chatd.kv import manager
+from chatd.kv.manager import common_prefix_len, longest_reusable, reusable_prefix
 from chatd.kv.policy import CacheRecord, CostModel, choose_victims, idle_victims, persist_candidates, prefer_restore
 from chatd.protocol import GenerationParams
 
@@ -257,6 +259,51 @@ def test_reconcile_prefix_rules() -> None:
     # A prompt fully inside the cache still leaves one token to prefill (its logits start the reply).
     assert reusable_prefix([1, 2, 3, 4], [1, 2, 3]) == 2
     assert reusable_prefix([9, 9], [1, 2]) == 0
+
+
+
+def test_the_donor_search_finds_the_longest_reusable_prefix_of_all_candidates() -> None:
+    """The first candidate with the longest reusable prefix, as comparing every candidate whole finds it."""
+    rng = random.Random(5)
+    for case in range(400):
+        base = [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
+        candidates = []
+        for i in range(rng.randrange(0, 12)):
+            cut = rng.randrange(0, len(base) + 1)
+            candidates.append((i, base[:cut] + [rng.randrange(4) for _ in range(rng.randrange(0, 8))]))
+        prompt = tuple(base[:rng.randrange(0, len(base) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(0, 6))])
+        min_tokens = rng.randrange(1, 8)
+        best, best_len = None, min_tokens - 1
+        for key, ids in candidates:  # every candidate compared whole
+            if reusable_prefix(ids, prompt) > best_len:
+                best, best_len = key, reusable_prefix(ids, prompt)
+        expected = (best, best_len) if best is not None else (None, 0)
+        assert longest_reusable(candidates, prompt, min_tokens) == expected, case
+
+
+def test_the_donor_search_compares_whole_prefixes_only_where_a_candidate_could_be_longer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """500 resident sessions share a 1,000-token system prompt and then differ: a new session's search
+    compares one of them whole, not all 500 (it ran on the event loop at every new session's first turn)."""
+    rng = random.Random(7)
+    system = [rng.randrange(49152) for _ in range(1000)]
+    sessions = [(f"s{i}", [*system, i, *(rng.randrange(49152) for _ in range(30))]) for i in range(500)]
+    compared: list[int] = []
+    counting = manager.reusable_prefix
+
+    def reusable(cached_ids: list[int], prompt_ids: tuple[int, ...]) -> int:
+        compared.append(1)
+        return counting(cached_ids, prompt_ids)
+
+    monkeypatch.setattr(manager, "reusable_prefix", reusable)
+    prompt = (*system, 100_000, 5, 6)  # a message of its own, after the shared prompt
+    assert longest_reusable(sessions, prompt, 16) == ("s0", 1000)
+    assert len(compared) == 1
+    # one session that also shares the message's first token is longer, and found
+    compared.clear()
+    sessions[321] = ("s321", [*system, 100_000, 9])
+    assert longest_reusable(sessions, prompt, 16) == ("s321", 1001)
+    assert len(compared) == 2
 
 
 def _rec(sid: str, size: int, used: float, busy: bool = False, persisted: bool = False) -> CacheRecord:

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -59,6 +59,30 @@ def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int]) -> int
     """How many cached positions a prompt can reuse: the longest common prefix, but always leaving at
     least one prompt token to prefill (its logits start the reply)."""
     return min(common_prefix_len(cached_ids, prompt_ids), max(len(prompt_ids) - 1, 0))
+
+
+def longest_reusable(candidates: Iterable[tuple[T, Sequence[int]]], prompt_ids: Sequence[int],
+                     min_tokens: int) -> tuple[T | None, int]:
+    """Of ``candidates`` (key, cached ids), the first whose ``reusable_prefix`` with the prompt is the
+    longest, if that is at least ``min_tokens``: (key, its length), else (None, 0).
+
+    Only a candidate that agrees with the prompt at the position just past the best length so far can
+    beat it, so that one id is looked at first and the whole prefix compared only where it agrees. Where
+    many sessions share a long system prompt and then diverge, a search costs one full comparison and a
+    lookup per other session, where comparing each whole prefix cost its length each (the turn start of
+    a new session, on the event loop, grew with the resident sessions times the prompt)."""
+    limit = max(len(prompt_ids) - 1, 0)  # reusable_prefix never exceeds it
+    best: T | None = None
+    best_len = min_tokens - 1
+    for key, ids in candidates:
+        if best_len >= limit:
+            break  # nothing can beat it
+        if len(ids) <= best_len or ids[best_len] != prompt_ids[best_len]:
+            continue
+        shared = reusable_prefix(ids, prompt_ids)
+        if shared > best_len:
+            best, best_len = key, shared
+    return (best, best_len) if best is not None else (None, 0)
 
 
 @dataclass
@@ -289,14 +313,8 @@ class KVManager:
         while it generates (its generation writes only past them)."""
         if not self.settings.share_prefixes:
             return None
-        best, best_len = None, self.settings.share_min_tokens - 1
-        for other_id, entry in self._entries.items():
-            if other_id == session_id or len(entry.cached_ids) <= best_len:
-                continue
-            shared = reusable_prefix(entry.cached_ids, prompt)
-            if shared > best_len:
-                best, best_len = other_id, shared
-        return best
+        others = ((other_id, entry.cached_ids) for other_id, entry in self._entries.items() if other_id != session_id)
+        return longest_reusable(others, prompt, self.settings.share_min_tokens)[0]
 
     def release(self, lease: Lease, *, generated_ids: Sequence[int] = (), ok: bool = True) -> None:
         """Return a lease. With ``ok`` the cache holds ``prompt + generated_ids`` up to its length;
