@@ -53,8 +53,15 @@ class PrefixPool:
         for cache_id, (owner, last_prompt_len) in self._owners.items():
             if owner != partition or busy(cache_id):
                 continue
-            shared = common_prefix_len(self.kv.cached_ids(cache_id) or (), prompt_ids)
-            if shared >= last_prompt_len and shared > best_len:
+            # It must share the whole last prompt, and more than the best so far: ``need`` ids. Where it
+            # differs from the prompt at the last of them it cannot, and its ids are not compared whole (a
+            # caller with many conversations would otherwise pay for all of them at every request).
+            need = max(last_prompt_len, best_len + 1)
+            ids = self.kv.cached_ids_view(cache_id)
+            if ids is None or min(len(ids), len(prompt_ids)) < need or ids[need - 1] != prompt_ids[need - 1]:
+                continue
+            shared = common_prefix_len(ids, prompt_ids)
+            if shared >= need:
                 best, best_len = cache_id, shared
         cache_id = best if best is not None else new_session_id()
         self._owners[cache_id] = (partition, len(prompt_ids))

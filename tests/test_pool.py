@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from typing import Any, cast
 
-from chatd.kv.manager import KVManager
+import pytest
+
+from chatd import pool as pool_module
+from chatd.kv.manager import KVManager, common_prefix_len
 from chatd.pool import PrefixPool
 
 
@@ -16,6 +21,9 @@ class FakeKV:
         return cache_id in self.caches
 
     def cached_ids(self, cache_id: str) -> list[int] | None:
+        return self.caches.get(cache_id)
+
+    def cached_ids_view(self, cache_id: str) -> list[int] | None:
         return self.caches.get(cache_id)
 
 
@@ -68,3 +76,47 @@ def test_evicted_caches_are_forgotten() -> None:
     del kv.caches[first]
     assert _run(pool, kv, [1, 2, 3, 10, 11, 4], [12]) != first
     assert not pool.owns(first)
+
+
+def test_the_choice_is_the_cache_continued_furthest_of_all_the_callers_caches() -> None:
+    """Against the rule applied to every cache whole: the idle cache of the caller sharing the longest
+    prefix with the prompt, at least the whole prompt that last ran in it."""
+    rng = random.Random(3)
+    for case in range(300):
+        pool, kv = _pool()
+        base = [rng.randrange(3) for _ in range(rng.randrange(1, 30))]
+        for _ in range(rng.randrange(0, 10)):
+            prompt = base[:rng.randrange(1, len(base) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 5))]
+            _run(pool, kv, prompt, [rng.randrange(3) for _ in range(rng.randrange(1, 5))],
+                 partition=rng.choice("ab"))
+        prompt = base[:rng.randrange(0, len(base) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+        best, best_len = None, 0
+        for cache_id, (owner, last_len) in pool._owners.items():
+            shared = common_prefix_len(kv.caches[cache_id], prompt)
+            if owner == "a" and shared >= last_len and shared > best_len:
+                best, best_len = cache_id, shared
+        chosen = pool.choose(prompt, "a", busy=lambda _: False)
+        assert chosen == best if best is not None else chosen not in kv.caches, case
+
+
+def test_a_request_compares_whole_only_the_caches_that_could_be_continued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One caller with 500 conversations behind one 1,000-token system prompt: a request continuing one
+    of them compares that one whole, not all 500 (each request used to copy and compare every cache of
+    its caller, on the event loop)."""
+    rng = random.Random(9)
+    pool, kv = _pool()
+    system = [rng.randrange(49152) for _ in range(1000)]
+    conversations = []
+    for i in range(500):
+        prompt = [*system, i, *(rng.randrange(49152) for _ in range(20))]
+        conversations.append((_run(pool, kv, prompt, [7, 8, 9]), prompt))
+    compared: list[int] = []
+
+    def counting(a: Sequence[int], b: Sequence[int]) -> int:
+        compared.append(1)
+        return common_prefix_len(a, b)
+
+    monkeypatch.setattr(pool_module, "common_prefix_len", counting)
+    cache_id, prompt = conversations[321]
+    assert _run(pool, kv, [*prompt, 7, 8, 9, 1, 2], [5]) == cache_id
+    assert len(compared) == 1

@@ -165,6 +165,12 @@ class KVManager:
         entry = self._entries.get(session_id)
         return list(entry.cached_ids) if entry else None
 
+    def cached_ids_view(self, session_id: str) -> Sequence[int] | None:
+        """The session's cached ids without a copy, for a look that ends before the caller's next await:
+        read them, never change them (the manager changes them in place)."""
+        entry = self._entries.get(session_id)
+        return entry.cached_ids if entry else None
+
     def max_tokens_for_budget(self) -> int:
         return self.budget_bytes // self.bytes_per_token
 
