@@ -533,13 +533,22 @@ async def _one_history(repo: Repo) -> list[Any]:
     returned.append(await repo.append_message(sess("h"), "assistant", "again", [7], finish_reason="length"))
     returned += [await repo.get_conversation(sess("h")), await repo.get_messages(sess("h")),
                  await repo.get_session(sess("h")), await repo.list_edits(sess("h"))]
+    # Snapshot records: stored in another zone with microseconds, then replaced; none for an unknown session.
+    east = timezone(timedelta(hours=5, minutes=30))
+    await repo.put_snapshot(SnapshotRecord(sess("h"), "h-1.kv", 6, 1000, 4000, "smollm2:int8", "d1",
+                                           datetime(2026, 12, 6, 23, 59, 59, 123456, tzinfo=east)))
+    returned.append(await repo.get_snapshot(sess("h")))
+    await repo.put_snapshot(snapshot(sess("h"), "h-2.kv", datetime(2026, 12, 7, 1, 2, 3, tzinfo=UTC)))
+    returned += [await repo.get_snapshot(sess("h")), await repo.list_snapshots()]
+    with pytest.raises(NotFound):
+        await repo.put_snapshot(snapshot(sess("nope"), "x.kv", datetime(2026, 12, 7, tzinfo=UTC)))
     return returned
 
 
 def _rows(path: Path) -> dict[str, list[tuple[Any, ...]]]:
     with contextlib.closing(sqlite3.connect(path)) as conn:
         return {table: conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
-                for table in ("sessions", "messages", "edits")}
+                for table in ("sessions", "messages", "edits", "snapshots")}
 
 
 async def test_the_direct_path_stores_and_returns_what_the_orm_does(tmp_path: Path) -> None:
@@ -561,7 +570,10 @@ async def test_the_direct_path_stores_and_returns_what_the_orm_does(tmp_path: Pa
         tables.append(_rows(path))
     assert results[0] == results[1]
     assert tables[0] == tables[1]
-    assert [m.content for m in results[0][-3]] == ["héllo ✓ ' \" \\", "réply", "edited", "again"]
+    assert [m.content for m in results[0][7]] == ["héllo ✓ ' \" \\", "réply", "edited", "again"]  # get_messages
+    first_snapshot = results[0][-3]
+    assert first_snapshot.created_at == datetime(2026, 12, 6, 18, 29, 59, 123456, tzinfo=UTC)
+    assert first_snapshot.created_at.tzinfo is UTC and results[0][-1] == [results[0][-2]]
     assert tables[0]["messages"][1][9] == '{"input_tokens": 4, "cache_tier": "gpu", "nested": {"ratio": 0.25, ' \
                                           '"list": [1, null]}, "ok": true}'
 
@@ -591,6 +603,14 @@ async def test_each_path_reads_what_the_other_wrote(tmp_path: Path) -> None:
         with pytest.raises(NotFound):
             await fast.get_conversation(sess("nope"))
         assert await fast.get_session(sess("nope")) is None
+        # A snapshot record written on the direct path reads back on the ORM, and replaced there, here.
+        written = snapshot(sess("x"), "x-1.kv", datetime(2026, 12, 6, 22, 1, 2, 345678, tzinfo=UTC))
+        await fast.put_snapshot(written)
+        assert await orm.get_snapshot(sess("x")) == written
+        replaced = snapshot(sess("x"), "x-2.kv", datetime(2026, 12, 6, 22, 5, tzinfo=UTC))
+        await orm.put_snapshot(replaced)
+        await fast.put_snapshot(replaced)
+        assert await orm.list_snapshots() == [replaced]
     finally:
         await fast.close()
         await orm.close()

@@ -120,6 +120,23 @@ def append(conn: sqlite3.Connection, session_id: str, role: str, content: str, t
     }
 
 
+
+def put_snapshot(conn: sqlite3.Connection, session_id: str, file_name: str, num_tokens: int, file_bytes: int,
+                 raw_bytes: int, fingerprint: str, ids_digest: str, created_at: datetime) -> None:
+    """Record (or replace) the session's one snapshot as :meth:`Repo.put_snapshot` does, inside the caller's
+    write transaction. NotFound for an unknown session."""
+    if conn.execute("SELECT 1 FROM sessions WHERE session_id = ?", (session_id,)).fetchone() is None:
+        raise NotFound("session not found")
+    conn.execute(
+        "INSERT INTO snapshots (session_id, file_name, num_tokens, file_bytes, raw_bytes, fingerprint, ids_digest, "
+        "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET "
+        "file_name = excluded.file_name, num_tokens = excluded.num_tokens, file_bytes = excluded.file_bytes, "
+        "raw_bytes = excluded.raw_bytes, fingerprint = excluded.fingerprint, ids_digest = excluded.ids_digest, "
+        "created_at = excluded.created_at",
+        (session_id, file_name, num_tokens, file_bytes, raw_bytes, fingerprint, ids_digest,
+         timestamp_text(created_at)))
+
+
 class SqliteDirect:
     """One sqlite3 connection to a SQLite file, used from one thread; each call is one transaction there."""
 

@@ -21,10 +21,11 @@ append may still be stored.
 
 Timestamps are timezone-aware UTC on the way in and out (SQLite drops the offset; reads restore it).
 
-On a SQLite file, a turn's own calls (reading a session or its conversation, appending a message) skip
-the ORM: :mod:`chatd.store.direct` runs each transaction in one hop to a thread with a plain sqlite3
-connection. They write and return the same as the ORM path would (``Repo(..., direct=False)`` keeps
-everything on the ORM, as on PostgreSQL).
+On a SQLite file, a turn's own calls (reading a session or its conversation, appending a message) and the
+KV layer's snapshot records (each eviction and background persist writes one) skip the ORM:
+:mod:`chatd.store.direct` runs each transaction in one hop to a thread with a plain sqlite3 connection.
+They write and return the same as the ORM path would (``Repo(..., direct=False)`` keeps everything on the
+ORM, as on PostgreSQL).
 """
 
 from __future__ import annotations
@@ -592,6 +593,11 @@ class Repo:
         """
         if record.created_at.tzinfo is None:
             raise ValueError("created_at must be timezone-aware")
+        if self._direct is not None:
+            # with the next group of writes (module docstring): one hop to the thread, no ORM on the loop
+            values = asdict(record)
+            await self._in_group(lambda conn: sql.put_snapshot(conn, **values))
+            return
         async with self._writing() as db:
             # A no-op write that locks the session row first, so that two puts for one session
             # cannot both find no record and both insert.
