@@ -329,8 +329,25 @@ async def test_disk_budget_deletes_the_oldest_snapshots(make_settings: SettingsF
         assert kept == set(ids[2:])  # the two oldest went
         assert core.snapshots.disk_bytes <= core.snapshots.disk_budget_bytes
         assert {p.stem for p in core.snapshots.store.folder.iterdir()} == kept
+
+        def on_disk() -> int:
+            return sum(p.stat().st_size for p in core.snapshots.store.folder.iterdir())
+
+        # The total the budget is checked against is kept with the records: the files' sizes, through
+        # deletions for the budget, a snapshot replaced by a longer one, and a session deleted.
+        assert core.snapshots.disk_bytes == on_disk()
         result = await turn(core, ids[0], "resume without a snapshot", 9)
         assert result.usage.cache_tier == "none"
+        await turn(core, ids[3], "a longer conversation " * 6, 10)
+        core.snapshots.disk_budget_bytes = 1 << 30
+        before = (await core.snapshots.record(ids[3]))
+        assert await core.sessions.evict(ids[3])
+        after = await core.snapshots.record(ids[3])
+        assert before is not None and after is not None and after.file_bytes > before.file_bytes
+        assert core.snapshots.disk_bytes == on_disk()
+        assert await core.sessions.delete(ids[2])
+        assert set(core.snapshots.records()) == {ids[3]}
+        assert core.snapshots.disk_bytes == on_disk() == after.file_bytes
 
 
 async def test_orphans_are_removed_at_start(make_settings: SettingsFactory, tiny_dir: Path,

@@ -87,6 +87,7 @@ class SnapshotService:
             prefill_tokens_per_s=_INITIAL_PREFILL_TPS.get(info.device.type, 300.0),
             restore_bytes_per_s=_INITIAL_RESTORE_BPS)
         self._records: dict[str, SnapshotRecord] = {}
+        self._disk_bytes = 0  # the records' file bytes, kept with them (_keep_record, _drop_record)
         # Its tensor copies run on itself alone: torch's parallel regions belong to the engine thread.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatd-snapshot-io",
                                       initializer=confine_to_one_thread)
@@ -116,7 +117,7 @@ class SnapshotService:
                 await self._in_io(self.store.delete, session_id)
                 await self.index.delete_snapshot(session_id)
                 continue
-            self._records[session_id] = record
+            self._keep_record(record)
         if self._records:
             log.info("%d session snapshots on disk (%.1f MB)", len(self._records), self.disk_bytes / 1e6)
 
@@ -134,7 +135,18 @@ class SnapshotService:
 
     @property
     def disk_bytes(self) -> int:
-        return sum(r.file_bytes for r in self._records.values())
+        """The snapshot files' bytes, as recorded (every save checks the disk budget against it)."""
+        return self._disk_bytes
+
+    def _keep_record(self, record: SnapshotRecord) -> None:
+        self._drop_record(record.session_id)
+        self._records[record.session_id] = record
+        self._disk_bytes += record.file_bytes
+
+    def _drop_record(self, session_id: str) -> None:
+        record = self._records.pop(session_id, None)
+        if record is not None:
+            self._disk_bytes -= record.file_bytes
 
     # ------------------------------------------------------------------ save / load / delete
 
@@ -160,7 +172,7 @@ class SnapshotService:
             file_bytes=file_bytes, raw_bytes=len(ids) * self.info.bytes_per_token,
             fingerprint=self.fingerprint.digest(), ids_digest=ids_digest(ids), created_at=datetime.now(UTC))
         await self.index.put_snapshot(record)
-        self._records[session_id] = record
+        self._keep_record(record)
         self.counters.num_snapshot_bytes_written += file_bytes
         await self._enforce_disk_budget(keep=session_id)
         return record
@@ -200,7 +212,7 @@ class SnapshotService:
                 restore_bytes_per_s=self.cost.restore_bytes_per_s)
 
     async def delete(self, session_id: str) -> None:
-        self._records.pop(session_id, None)
+        self._drop_record(session_id)
         await self._in_io(self.store.delete, session_id)
         await self.index.delete_snapshot(session_id)
 
