@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from chatd.domain import SessionRecord
-from chatd.errors import NotFound
+from chatd.errors import BadRequest, NotFound
 from chatd.store.db import configure_sqlite_connection
 from chatd.store.models import pack_token_ids, unpack_token_ids, utc
 
@@ -119,6 +119,17 @@ def append(conn: sqlite3.Connection, session_id: str, role: str, content: str, t
         "usage": None if usage is None else dict(usage), "unanswered": unanswered,
     }
 
+
+
+def create_session(conn: sqlite3.Connection, session_id: str, title: str, now: datetime) -> None:
+    """Insert an empty session as :meth:`Repo.create_session` does, inside the caller's write transaction.
+    BadRequest for an id already used."""
+    stamp = timestamp_text(now)
+    try:
+        conn.execute(f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?, ?, ?, ?, 0, 0)",
+                     (session_id, title, stamp, stamp))
+    except sqlite3.IntegrityError as exc:
+        raise BadRequest("session id already exists") from exc
 
 
 def put_snapshot(conn: sqlite3.Connection, session_id: str, file_name: str, num_tokens: int, file_bytes: int,

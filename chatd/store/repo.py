@@ -21,8 +21,8 @@ append may still be stored.
 
 Timestamps are timezone-aware UTC on the way in and out (SQLite drops the offset; reads restore it).
 
-On a SQLite file, a turn's own calls (reading a session or its conversation, appending a message) and the
-KV layer's snapshot records (each eviction and background persist writes one) skip the ORM:
+On a SQLite file, a turn's own calls (reading a session or its conversation, appending a message), creating
+a session and the KV layer's snapshot records (each eviction and background persist writes one) skip the ORM:
 :mod:`chatd.store.direct` runs each transaction in one hop to a thread with a plain sqlite3 connection.
 They write and return the same as the ORM path would (``Repo(..., direct=False)`` keeps everything on the
 ORM, as on PostgreSQL).
@@ -329,6 +329,9 @@ class Repo:
         now = self._now()
         record = SessionRecord(session_id=session_id, title=title, created_at=now, updated_at=now,
                                message_count=0, token_count=0)
+        if self._direct is not None:
+            await self._in_group(lambda conn: sql.create_session(conn, session_id, title, now))
+            return record
         try:
             async with self._writing() as db:
                 db.add(SessionRow(**record.model_dump()))
