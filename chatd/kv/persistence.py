@@ -82,6 +82,7 @@ class SnapshotService:
         self.index = index
         self.info = info
         self.fingerprint = fingerprint_of(info)
+        self._fingerprint_digest = self.fingerprint.digest()  # in every record this service writes
         self.disk_budget_bytes = int(settings.disk_budget_mb * 1024 * 1024)
         self.cost = policy.CostModel(
             prefill_tokens_per_s=_INITIAL_PREFILL_TPS.get(info.device.type, 300.0),
@@ -113,7 +114,7 @@ class SnapshotService:
                 await self._in_io(self.store.delete, session_id)
                 files.pop(session_id)
         for session_id, record in records.items():
-            if session_id not in files or record.fingerprint != self.fingerprint.digest():
+            if session_id not in files or record.fingerprint != self._fingerprint_digest:
                 await self._in_io(self.store.delete, session_id)
                 await self.index.delete_snapshot(session_id)
                 continue
@@ -170,7 +171,7 @@ class SnapshotService:
         record = SnapshotRecord(
             session_id=session_id, file_name=self.store.path_for(session_id).name, num_tokens=len(ids),
             file_bytes=file_bytes, raw_bytes=len(ids) * self.info.bytes_per_token,
-            fingerprint=self.fingerprint.digest(), ids_digest=ids_digest(ids), created_at=datetime.now(UTC))
+            fingerprint=self._fingerprint_digest, ids_digest=ids_digest(ids), created_at=datetime.now(UTC))
         await self.index.put_snapshot(record)
         self._keep_record(record)
         self.counters.num_snapshot_bytes_written += file_bytes
