@@ -542,6 +542,14 @@ async def _one_history(repo: Repo) -> list[Any]:
     returned += [await repo.get_snapshot(sess("h")), await repo.list_snapshots()]
     with pytest.raises(NotFound):
         await repo.put_snapshot(snapshot(sess("nope"), "x.kv", datetime(2026, 12, 7, tzinfo=UTC)))
+    # Deleting: a snapshot record, then a whole session with its messages, edits and snapshot record.
+    await repo.create_session(sess("gone"), "going")
+    await repo.append_message(sess("gone"), "user", "a", [1])
+    await repo.replace_from(sess("gone"), 0, "user", "b", [2])
+    await repo.put_snapshot(snapshot(sess("gone"), "gone.kv", datetime(2026, 12, 7, 2, tzinfo=UTC)))
+    returned += [await repo.delete_snapshot(sess("h")), await repo.delete_snapshot(sess("h")),
+                 await repo.delete_session(sess("gone")), await repo.delete_session(sess("gone")),
+                 await repo.get_session(sess("gone"))]
     return returned
 
 
@@ -571,9 +579,11 @@ async def test_the_direct_path_stores_and_returns_what_the_orm_does(tmp_path: Pa
     assert results[0] == results[1]
     assert tables[0] == tables[1]
     assert [m.content for m in results[0][7]] == ["héllo ✓ ' \" \\", "réply", "edited", "again"]  # get_messages
-    first_snapshot = results[0][-3]
+    first_snapshot = results[0][-8]
     assert first_snapshot.created_at == datetime(2026, 12, 6, 18, 29, 59, 123456, tzinfo=UTC)
-    assert first_snapshot.created_at.tzinfo is UTC and results[0][-1] == [results[0][-2]]
+    assert first_snapshot.created_at.tzinfo is UTC and results[0][-6] == [results[0][-7]]
+    assert results[0][-5:] == [True, False, True, False, None]  # deleted once, then nothing left
+    assert tables[0]["snapshots"] == [] and {row[0] for row in tables[0]["sessions"]} == {sess("h")}
     assert tables[0]["messages"][1][9] == '{"input_tokens": 4, "cache_tier": "gpu", "nested": {"ratio": 0.25, ' \
                                           '"list": [1, null]}, "ok": true}'
 

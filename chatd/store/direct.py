@@ -132,6 +132,14 @@ def create_session(conn: sqlite3.Connection, session_id: str, title: str, now: d
         raise BadRequest("session id already exists") from exc
 
 
+def delete_by_session(conn: sqlite3.Connection, table: str, session_id: str) -> bool:
+    """Delete the row of ``table`` ("sessions", whose messages, edits and snapshot record go with it, or
+    "snapshots") keyed by ``session_id``, inside the caller's write transaction; False when there was none."""
+    if table not in ("sessions", "snapshots"):
+        raise ValueError(f"no rows are deleted by session from {table!r}")
+    return conn.execute(f"DELETE FROM {table} WHERE session_id = ?", (session_id,)).rowcount > 0
+
+
 def put_snapshot(conn: sqlite3.Connection, session_id: str, file_name: str, num_tokens: int, file_bytes: int,
                  raw_bytes: int, fingerprint: str, ids_digest: str, created_at: datetime) -> None:
     """Record (or replace) the session's one snapshot as :meth:`Repo.put_snapshot` does, inside the caller's

@@ -22,7 +22,8 @@ append may still be stored.
 Timestamps are timezone-aware UTC on the way in and out (SQLite drops the offset; reads restore it).
 
 On a SQLite file, a turn's own calls (reading a session or its conversation, appending a message), creating
-a session and the KV layer's snapshot records (each eviction and background persist writes one) skip the ORM:
+and deleting a session and the KV layer's snapshot records (each eviction and background persist writes one,
+each snapshot deleted for the disk budget removes one) skip the ORM:
 :mod:`chatd.store.direct` runs each transaction in one hop to a thread with a plain sqlite3 connection.
 They write and return the same as the ORM path would (``Repo(..., direct=False)`` keeps everything on the
 ORM, as on PostgreSQL).
@@ -312,6 +313,10 @@ class Repo:
 
     async def _delete_by_session(self, row: type[SessionRow] | type[SnapshotRow], session_id: str) -> bool:
         """Delete the one row of ``row``'s table keyed by ``session_id``; False when there was none."""
+        if self._direct is not None:
+            table = row.__tablename__
+            found: bool = await self._in_group(lambda conn: sql.delete_by_session(conn, table, session_id))
+            return found
         async with self._writing() as db:
             deleted = await db.execute(
                 delete(row).where(row.session_id == session_id).returning(row.session_id),
