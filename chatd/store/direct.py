@@ -120,7 +120,6 @@ def append(conn: sqlite3.Connection, session_id: str, role: str, content: str, t
     }
 
 
-
 def create_session(conn: sqlite3.Connection, session_id: str, title: str, now: datetime) -> None:
     """Insert an empty session as :meth:`Repo.create_session` does, inside the caller's write transaction.
     BadRequest for an id already used."""
