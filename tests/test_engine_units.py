@@ -261,7 +261,6 @@ def test_reconcile_prefix_rules() -> None:
     assert reusable_prefix([9, 9], [1, 2]) == 0
 
 
-
 def test_the_donor_search_finds_the_longest_reusable_prefix_of_all_candidates() -> None:
     """The first candidate with the longest reusable prefix, as comparing every candidate whole finds it."""
     rng = random.Random(5)

@@ -533,21 +533,22 @@ async def _one_history(repo: Repo) -> list[Any]:
     returned.append(await repo.append_message(sess("h"), "assistant", "again", [7], finish_reason="length"))
     returned += [await repo.get_conversation(sess("h")), await repo.get_messages(sess("h")),
                  await repo.get_session(sess("h")), await repo.list_edits(sess("h"))]
-    # Snapshot records: stored in another zone with microseconds, then replaced; none for an unknown session.
-    east = timezone(timedelta(hours=5, minutes=30))
-    await repo.put_snapshot(SnapshotRecord(sess("h"), "h-1.kv", 6, 1000, 4000, "smollm2:int8", "d1",
-                                           datetime(2026, 12, 6, 23, 59, 59, 123456, tzinfo=east)))
+    # Snapshot records: one, then replaced by one stored from another zone with microseconds (the row the
+    # tables are compared on); none for an unknown session.
+    await repo.put_snapshot(snapshot(sess("h"), "h-1.kv", datetime(2026, 12, 7, 1, 2, 3, tzinfo=UTC)))
     returned.append(await repo.get_snapshot(sess("h")))
-    await repo.put_snapshot(snapshot(sess("h"), "h-2.kv", datetime(2026, 12, 7, 1, 2, 3, tzinfo=UTC)))
+    east = timezone(timedelta(hours=5, minutes=30))
+    await repo.put_snapshot(SnapshotRecord(sess("h"), "h-2.kv", 6, 1000, 4000, "smollm2:int8", "d2",
+                                           datetime(2026, 12, 6, 23, 59, 59, 123456, tzinfo=east)))
     returned += [await repo.get_snapshot(sess("h")), await repo.list_snapshots()]
     with pytest.raises(NotFound):
         await repo.put_snapshot(snapshot(sess("nope"), "x.kv", datetime(2026, 12, 7, tzinfo=UTC)))
-    # Deleting: a snapshot record, then a whole session with its messages, edits and snapshot record.
+    # Deleting: a snapshot record, then a whole session with its messages and edits.
     await repo.create_session(sess("gone"), "going")
     await repo.append_message(sess("gone"), "user", "a", [1])
     await repo.replace_from(sess("gone"), 0, "user", "b", [2])
     await repo.put_snapshot(snapshot(sess("gone"), "gone.kv", datetime(2026, 12, 7, 2, tzinfo=UTC)))
-    returned += [await repo.delete_snapshot(sess("h")), await repo.delete_snapshot(sess("h")),
+    returned += [await repo.delete_snapshot(sess("gone")), await repo.delete_snapshot(sess("gone")),
                  await repo.delete_session(sess("gone")), await repo.delete_session(sess("gone")),
                  await repo.get_session(sess("gone"))]
     return returned
@@ -579,11 +580,13 @@ async def test_the_direct_path_stores_and_returns_what_the_orm_does(tmp_path: Pa
     assert results[0] == results[1]
     assert tables[0] == tables[1]
     assert [m.content for m in results[0][7]] == ["héllo ✓ ' \" \\", "réply", "edited", "again"]  # get_messages
-    first_snapshot = results[0][-8]
-    assert first_snapshot.created_at == datetime(2026, 12, 6, 18, 29, 59, 123456, tzinfo=UTC)
-    assert first_snapshot.created_at.tzinfo is UTC and results[0][-6] == [results[0][-7]]
+    first, replaced, listed = results[0][-8:-5]
+    assert first.file_name == "h-1.kv" and listed == [replaced] and replaced.file_name == "h-2.kv"
+    assert replaced.created_at == datetime(2026, 12, 6, 18, 29, 59, 123456, tzinfo=UTC)
+    assert replaced.created_at.tzinfo is UTC
     assert results[0][-5:] == [True, False, True, False, None]  # deleted once, then nothing left
-    assert tables[0]["snapshots"] == [] and {row[0] for row in tables[0]["sessions"]} == {sess("h")}
+    assert [row[1] for row in tables[0]["snapshots"]] == ["h-2.kv"]  # compared above, byte for byte
+    assert {row[0] for row in tables[0]["sessions"]} == {sess("h")}
     assert tables[0]["messages"][1][9] == '{"input_tokens": 4, "cache_tier": "gpu", "nested": {"ratio": 0.25, ' \
                                           '"list": [1, null]}, "ok": true}'
 

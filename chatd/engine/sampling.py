@@ -122,8 +122,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     num_rows, vocab = logits.shape
     drawing = [not p.greedy for p in params]
     if not any(drawing):
-        greedy: list[int | SamplingError] = [*greedy_rows(logits)]
-        return greedy
+        return [*greedy_rows(logits)]
     device = logits.device
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     columns = [[p.temperature if draw else 1.0 for p, draw in zip(params, drawing, strict=True)],
