@@ -29,8 +29,8 @@ void chatd_decode_attention(const float *q, int64_t q_row_stride, const int32_t 
                             int64_t table_stride, const int32_t *lengths, int rows, int num_heads, int num_kv_heads,
                             int head_dim, int block_size, float scale, int num_threads, int kv_type);
 void chatd_silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int num_threads);
-void chatd_widen_bf16(const uint16_t *x, float *out, int64_t n);
-void chatd_round_bf16(const float *x, uint16_t *out, int64_t n);
+void chatd_widen_bf16_rows(const uint16_t *x, float *out, int rows, int64_t n, int num_threads);
+void chatd_round_bf16_rows(const float *x, uint16_t *out, int rows, int64_t n, int num_threads);
 int chatd_q4_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
                     int num_threads);
 
@@ -84,13 +84,13 @@ int chatd_forward_step(const struct chatd_shape *s, const struct chatd_layer *la
                                num_threads);
             if ((status = chatd_q4_matmul(x, rows, hidden, w->qkv, 0, qkv_n, qkv, num_threads)) != 0)
                 break;
-            chatd_widen_bf16(qkv, qkv32, r * qkv_n);
+            chatd_widen_bf16_rows(qkv, qkv32, rows, qkv_n, num_threads);
             chatd_rope_write(qkv32, qkv_n, positions, cos_table, sin_table, w->keys, w->values, s->head_stride,
                              slots, rows, s->num_heads, s->num_kv_heads, s->head_dim, num_threads, s->kv_type);
             chatd_decode_attention(qkv32, qkv_n, order, attention32, w->keys, w->values, s->head_stride, tables,
                                    table_stride, lengths, rows, s->num_heads, s->num_kv_heads, s->head_dim,
                                    s->block_size, s->scale, num_threads, s->kv_type);
-            chatd_round_bf16(attention32, attention, r * q_n);
+            chatd_round_bf16_rows(attention32, attention, rows, q_n, num_threads);
             if ((status = chatd_q4_matmul(attention, rows, q_n, w->o, 0, hidden, attended, num_threads)) != 0)
                 break;
             chatd_add_rms_norm(h, attended, hidden, w->ffn_norm, s->eps, x, rows, hidden, num_threads);
