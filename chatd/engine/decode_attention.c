@@ -27,10 +27,11 @@
 #define SPLIT_MIN_BLOCKS 8 /* a pair's blocks are split for the threads only into ranges this long or more */
 /* Steps of this many rows or more run RoPE with the K/V write, the residual add with RMSNorm, and the bf16
  * conversions around attention (chatd/engine/step.c) on the threads, each thread on its own rows. Below it the
- * fork and join cost more than they save: per-step A/B on this 2-core Zen 4 (the two versions alternating
- * step by step, 500 steps each, 64-token contexts), 2 rows +1.8 %, 4 and 8 rows +-0.2 %, 16 rows -1.8 % and
- * -2.3 % (two runs). */
-#define PARALLEL_ROWS 16
+ * fork and join cost more than they save. Per-step A/B on this 2-core Zen 4 (the two versions alternating
+ * step by step, 400-500 steps each, 64-token contexts), step time on the threads vs on one: 2 rows +1.8 %,
+ * 4 rows +1.9 %, 6 rows -1.0 %, 8 rows -0.6 % and -2.0 %, 12 rows -3.1 %, 16 rows -1.8 % and -2.3 % (8
+ * rows gained only once the weights were prefetched further ahead, tile_matmul.c). */
+#define PARALLEL_ROWS 8
 
 /* kv_type: how the pool stores K and V */
 #define KV_F32 0
