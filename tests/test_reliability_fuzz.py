@@ -112,21 +112,18 @@ def test_fuzzed_frames_never_reach_a_traceback(server: ServerProcess, long_mode:
         session_ids = [json.loads(setup.recv(timeout=30))["session"]["session_id"]]
     session_ids.append("A" * 24)  # well-formed, names no session
     sent = {"frames": 0, "examples": 0}
-    ws = connect(server.ws_url, max_size=None)
-    assert json.loads(ws.recv(timeout=30))["type"] == "hello"
+    with connect(server.ws_url, max_size=None) as ws:
+        assert json.loads(ws.recv(timeout=30))["type"] == "hello"
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=not long_mode,
-              suppress_health_check=list(HealthCheck))
-    @given(batch=st.lists(frames(session_ids), min_size=batch_size, max_size=batch_size))
-    def run(batch: list[str | bytes]) -> None:
-        sent["examples"] += 1
-        exchange(ws, batch, f"sentinel-{sent['examples']}")
-        sent["frames"] += len(batch) + 1
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=not long_mode,
+                  suppress_health_check=list(HealthCheck))
+        @given(batch=st.lists(frames(session_ids), min_size=batch_size, max_size=batch_size))
+        def run(batch: list[str | bytes]) -> None:
+            sent["examples"] += 1
+            exchange(ws, batch, f"sentinel-{sent['examples']}")
+            sent["frames"] += len(batch) + 1
 
-    try:
         run()
-    finally:
-        ws.close()
     log = server.log_text()
     assert "Traceback" not in log
     assert httpx.get(f"{server.http_url}/healthz", timeout=10).status_code == 200
