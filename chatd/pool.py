@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from chatd.domain import new_session_id
-from chatd.kv.manager import KVManager, common_prefix_len
+from chatd.kv.manager import KVManager, agrees_at, common_prefix_len
 
 
 class PrefixPool:
@@ -58,7 +58,7 @@ class PrefixPool:
             # caller with many conversations would otherwise pay for all of them at every request).
             need = max(last_prompt_len, best_len + 1)
             ids = self.kv.cached_ids_view(cache_id)
-            if ids is None or min(len(ids), len(prompt_ids)) < need or ids[need - 1] != prompt_ids[need - 1]:
+            if ids is None or not agrees_at(ids, prompt_ids, need):
                 continue
             shared = common_prefix_len(ids, prompt_ids)
             if shared >= need:

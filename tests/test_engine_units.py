@@ -271,7 +271,7 @@ def test_the_donor_search_finds_the_longest_reusable_prefix_of_all_candidates() 
             cut = rng.randrange(0, len(base) + 1)
             candidates.append((i, base[:cut] + [rng.randrange(4) for _ in range(rng.randrange(0, 8))]))
         prompt = tuple(base[:rng.randrange(0, len(base) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(0, 6))])
-        min_tokens = rng.randrange(1, 8)
+        min_tokens = rng.randrange(0, 8)
         best, best_len = None, min_tokens - 1
         for key, ids in candidates:  # every candidate compared whole
             if reusable_prefix(ids, prompt) > best_len:

@@ -61,6 +61,15 @@ def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int]) -> int
     return min(common_prefix_len(cached_ids, prompt_ids), max(len(prompt_ids) - 1, 0))
 
 
+def agrees_at(cached_ids: Sequence[int], prompt_ids: Sequence[int], need: int) -> bool:
+    """Whether both hold ``need`` ids and agree at the last of them (true for ``need`` <= 0): what a cache
+    must do to share ``need`` or more positions with the prompt. One lookup, so a search over many caches
+    compares whole prefixes only where it holds (:func:`longest_reusable`, chatd.pool.PrefixPool.choose)."""
+    if need <= 0:
+        return True
+    return min(len(cached_ids), len(prompt_ids)) >= need and cached_ids[need - 1] == prompt_ids[need - 1]
+
+
 def longest_reusable(candidates: Iterable[tuple[T, Sequence[int]]], prompt_ids: Sequence[int],
                      min_tokens: int) -> tuple[T | None, int]:
     """Of ``candidates`` (key, cached ids), the first whose ``reusable_prefix`` with the prompt is the
@@ -77,7 +86,7 @@ def longest_reusable(candidates: Iterable[tuple[T, Sequence[int]]], prompt_ids: 
     for key, ids in candidates:
         if best_len >= limit:
             break  # nothing can beat it
-        if len(ids) <= best_len or ids[best_len] != prompt_ids[best_len]:
+        if not agrees_at(ids, prompt_ids, best_len + 1):
             continue
         shared = reusable_prefix(ids, prompt_ids)
         if shared > best_len:
