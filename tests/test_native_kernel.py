@@ -452,6 +452,25 @@ def test_the_q8_tile_matmul_equals_its_reference(kernel: EngineKernels, tile_kin
                            q8=True)
 
 
+def test_a_rows_product_does_not_depend_on_the_calls_other_rows(kernel: EngineKernels, tile_kind: str) -> None:
+    """Calls of up to 16 rows quantise x once per thread, larger ones once in all (tile_matmul.c's OWN_ROWS): a
+    row's outputs are the same bits whichever way it went, alone, among a few rows or among many."""
+    generator = torch.Generator().manual_seed(17)
+    default = kernel.amx_min_rows
+    kernel.amx_min_rows = 1000  # under AMX too, every call here on the vectors (AMX rounds x its own way)
+    try:
+        for weight, n, k, is_q8 in ((_q4_weight(960, 576, 7), 960, 576, False),
+                                    (_q8_weight(96, 1536, generator), 96, 1536, True)):
+            tiles = pack_for(tile_kind, weight)
+            x = torch.randn(40, k, generator=generator).to(torch.bfloat16)
+            whole = kernel.tile_matmul(x, tiles, n, q8=is_q8)
+            parts = [kernel.tile_matmul(x[start:end], tiles, n, q8=is_q8)
+                     for start, end in ((0, 1), (1, 4), (4, 20), (20, 36), (36, 40))]
+            assert torch.equal(torch.cat(parts), whole), (tile_kind, n, k)
+    finally:
+        kernel.amx_min_rows = default
+
+
 def test_the_layouts_keep_every_quant_and_scale() -> None:
     """Each layout holds every quant and scale exactly once, where the kernels' comments say."""
     weight = _q4_weight(32, 64, 5)  # 2 output groups, 2 blocks

@@ -658,20 +658,62 @@ typedef void (*quantise_row_fn)(const uint16_t *row, int k, int8_t *xq, float *d
 typedef void (*vector_group_fn)(const int8_t *xq, const float *dx, const float *dx_sum, int m, int k,
                                 const uint8_t *tiles, int q8, int g, uint16_t *y, int n);
 
+/* Up to OWN_ROWS rows, each thread quantises every row of x into scratch of its own and runs its groups on that
+ * copy, with no barrier between the two; more rows are quantised once, split over the threads, into one copy
+ * that every thread then reads. The copy of one's own costs a thread the other rows' quantisation, and spares it
+ * the barrier and the stores into lines the other core holds (the shared copy's lines were last read by every
+ * core). Per-step A/B on the 2-core Zen 4 (AVX512-VNNI, 400 steps each, 64-token contexts), step time with the
+ * copies of one's own vs the shared one: 1 row -5 %, 4 rows -8 %, 12 rows -8 %, 16 rows -8 %; 20 and 32 rows
+ * even, 64 rows +3 %. */
+#define OWN_ROWS 16
+
+/* This thread's scratch for its own copy of the quantised rows, kept from call to call (it stays in the core's
+ * cache) and grown as calls need: NULL when no memory could be had. */
+static __thread void *own_scratch;
+static __thread size_t own_capacity;
+
+static void *own_buffer(size_t bytes)
+{
+    if (bytes > own_capacity) {
+        free(own_scratch);
+        own_capacity = (bytes + 4095) & ~(size_t)4095;
+        own_scratch = aligned_alloc(64, own_capacity);
+        if (own_scratch == NULL)
+            own_capacity = 0;
+    }
+    return own_scratch;
+}
+
 /* Every row of x quantised per block of 32 (`quantise`), then each group of 16 outputs over all rows (`group`),
  * the groups spread over the threads. */
 static int vector_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, int q8, int n, uint16_t *y,
                          int num_threads, quantise_row_fn quantise, vector_group_fn group)
 {
     const int groups = n / 16, blocks = k / 32;
-    int8_t *xq = malloc((size_t)m * k);
-    float *scales = malloc(2 * (size_t)m * blocks * sizeof(float));
-    if (xq == NULL || scales == NULL) {
-        free(xq);
-        free(scales);
-        return -2;
+    /* xq (m * k int8), then dx and dx_sum (m * blocks fp32 each) */
+    const size_t xq_bytes = ((size_t)m * k + 63) & ~(size_t)63, bytes = xq_bytes + 2 * (size_t)m * blocks * sizeof(float);
+    int failed = 0;
+    if (m <= OWN_ROWS) {
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+        {
+            int8_t *xq = own_buffer(bytes);
+            failed = xq == NULL;
+            if (xq != NULL) {
+                float *dx = (float *)(xq + xq_bytes), *dx_sum = dx + (size_t)m * blocks;
+                for (int r = 0; r < m; r++)
+                    quantise(x + (int64_t)r * k, k, xq + (int64_t)r * k, dx + (int64_t)r * blocks,
+                             dx_sum + (int64_t)r * blocks);
+#pragma omp for schedule(static) nowait
+                for (int g = 0; g < groups; g++)
+                    group(xq, dx, dx_sum, m, k, tiles, q8, g, y, n);
+            }
+        }
+        return failed ? -2 : 0;
     }
-    float *dx = scales, *dx_sum = scales + (size_t)m * blocks;
+    int8_t *xq = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    if (xq == NULL)
+        return -2;
+    float *dx = (float *)(xq + xq_bytes), *dx_sum = dx + (size_t)m * blocks;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -684,7 +726,6 @@ static int vector_matmul(const uint16_t *x, int m, int k, const uint8_t *tiles, 
             group(xq, dx, dx_sum, m, k, tiles, q8, g, y, n);
     }
     free(xq);
-    free(scales);
     return 0;
 }
 #endif
