@@ -74,9 +74,11 @@ def test_without_a_compiler_the_engine_keeps_torch_attention(tmp_path: Path, mon
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
-# Many rows (each (row, KV head) pair walks its blocks on one thread), and one long row: few pairs, so each
+# Many rows (each (row, KV head) pair walks its blocks on one thread: for short sequences in a run of consecutive
+# pairs per thread, for one over 32 blocks as the threads come for them), and one long row: few pairs, so each
 # pair's blocks are split into ranges across the threads and merged (the sizes are in blocks of 16).
-_ATTENTION_CASES = [((1, 5, 16, 17, 7 * 16 - 3, 40), (7, 0, 3, 5, 1, 2)), ((1000,), (3,)), ((300, 5), (2, 6))]
+_ATTENTION_CASES = [((1, 5, 16, 17, 7 * 16 - 3, 40), (7, 0, 3, 5, 1, 2)), ((1000,), (3,)), ((300, 5), (2, 6)),
+                    ((600, 3, 40, 17), (1, 4, 0, 6))]
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
