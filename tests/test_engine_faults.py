@@ -225,3 +225,23 @@ async def test_a_steps_events_reach_the_loop_in_one_call(tiny_runner: ModelRunne
         assert "".join(e.text for e in events[:-1] if isinstance(e, worker_module.TextPiece)) == events[-1].text
     # 4 sessions x 6 tokens = 24 pieces and 4 results, at most one delivery per step
     assert sum(1 for callback in calls if callback is worker_module._deliver) <= len(steps) < 24
+
+
+async def test_the_engines_deliveries_keep_their_order_and_end_with_it(tiny_runner: ModelRunner) -> None:
+    """The engine thread hands its deliveries to the event loop (call results, generation events) to its
+    courier thread, which makes them in the order they were handed over; stopping the worker ends both."""
+    worker = EngineWorker(tiny_runner)
+    worker.start()
+    settled: list[int] = []
+    try:
+        handle = worker.generate(tiny_runner.new_cache(), [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
+        futures = [worker.submit(lambda i=i: i) for i in range(50)]
+        for future in futures:
+            future.add_done_callback(lambda done: settled.append(done.result()))
+        await asyncio.gather(*futures)
+        events = [event async for event in handle.events()]
+    finally:
+        assert worker.stop()
+    assert settled == list(range(50))
+    assert isinstance(events[-1], GenerationResult) and len(events[-1].generated_ids) == 4
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("chatd-engine")]

@@ -2,7 +2,12 @@
 
 The event loop hands it work through a queue and gets results back through
 ``loop.call_soon_threadsafe``, once per step for all the step's events (one wake-up of the loop, not
-one per session); nothing here blocks the loop. Work is of two kinds:
+one per session); nothing here blocks the loop. Those calls are made by a second thread, the courier,
+in the order the worker hands them over: waking the loop lets the loop's thread take the interpreter
+lock, and the worker would then wait for it before its next step, while the loop sends the step's frames.
+Measured through the server on the 2-core CPU: 0.24 ms a step with one client, 0.81 ms with 8 and 1.06 ms
+with 16 (6-10 % of the step). The courier waits there instead, and the worker starts its next step (whose
+native part runs without the lock). Work is of two kinds:
 
 * generations (:meth:`EngineWorker.generate`): each is a prefill of the tokens the cache lacks,
   then decoding until EOS, ``max_tokens``, a stop string or cancellation. Each step is one packed
@@ -81,6 +86,13 @@ Event = TextPiece | GenerationResult | GenerationFailed
 def _deliver(batch: Sequence[tuple[asyncio.Queue[Event], Event]]) -> None:
     for events, event in batch:
         events.put_nowait(event)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], args: tuple[object, ...]) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # that loop is closed: nobody is waiting for this any more
+        log.warning("dropped an engine delivery for a closed event loop")
 
 
 @dataclass(eq=False)
@@ -164,6 +176,10 @@ class EngineWorker:
         self.decode_threads = decode_threads or self.prefill_threads
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        # Deliveries to event loops, in order: (loop, callback, args); None ends the courier thread.
+        self._courier_queue: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, Callable[..., object],
+                                                     tuple[object, ...]] | None] = queue.SimpleQueue()
+        self._courier: threading.Thread | None = None
         self._prefilling: deque[_Job] = deque()
         self._decoding: deque[_Job] = deque()
         # Events the worker thread emitted since its last flush, in order, with their loop and queue: sent
@@ -178,6 +194,8 @@ class EngineWorker:
 
     def start(self) -> None:
         if self._thread is None:
+            self._courier = threading.Thread(target=self._carry, name="chatd-engine-courier", daemon=True)
+            self._courier.start()
             self._thread = threading.Thread(target=self._run, name="chatd-engine", daemon=True)
             self._thread.start()
 
@@ -190,6 +208,10 @@ class EngineWorker:
         self._inbox.put(_STOP)
         thread.join(timeout)
         self._thread = None
+        if not thread.is_alive() and self._courier is not None:
+            self._courier_queue.put(None)  # after everything the worker handed over
+            self._courier.join(timeout)
+            self._courier = None
         return not thread.is_alive()
 
     @property
@@ -233,7 +255,7 @@ class EngineWorker:
                     future.set_exception(error)
                 else:
                     future.set_result(result)
-            loop.call_soon_threadsafe(settle)
+            self._deliver_soon(loop, settle)
 
         self._inbox.put(_Call(fn, done, then_job))
         if self.failure is not None:
@@ -255,7 +277,7 @@ class EngineWorker:
             if threading.current_thread() is self._thread:
                 self._outbox.append((loop, events, event))  # sent with the step's other events
             else:
-                loop.call_soon_threadsafe(events.put_nowait, event)
+                self._deliver_soon(loop, events.put_nowait, event)
 
         job = _Job(
             cache=cache, prefill_ids=list(prefill_ids), params=params,
@@ -343,10 +365,21 @@ class EngineWorker:
             batches.setdefault(loop, []).append((events, event))
         self._outbox.clear()
         for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # that loop is closed: nobody is waiting for these events
-                log.warning("dropped %d engine events for a closed event loop", len(batch))
+            self._deliver_soon(loop, _deliver, batch)
+
+    def _deliver_soon(self, loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object) -> None:
+        """``loop.call_soon_threadsafe(callback, *args)``, made by the courier thread where it runs (after
+        everything handed to it before), else here."""
+        courier = self._courier
+        if courier is not None and courier.is_alive():
+            self._courier_queue.put((loop, callback, args))
+        else:
+            _call_soon(loop, callback, args)
+
+    def _carry(self) -> None:
+        """The courier thread: make the deliveries the worker hands over, in order, until told to stop."""
+        while (item := self._courier_queue.get()) is not None:
+            _call_soon(*item)
 
     def _run_call(self, call: _Call) -> bool:
         """Run a call and settle its future; whether it succeeded."""
