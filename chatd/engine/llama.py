@@ -402,7 +402,8 @@ class LlamaForward:
         with appending(caches, runs) as step:
             starts = step.starts
             ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
-            positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lengths, strict=True)])
+            positions = torch.tensor([start + j for start, n in zip(starts, lengths, strict=True) for j in range(n)],
+                                     dtype=torch.long)
             h = self.weights.embed(ids)  # [rows, hidden] fp32
             kernels = self.kernels
             rope = self._rope_table(positions.to(self.device)) if kernels is None else None
