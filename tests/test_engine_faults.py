@@ -230,8 +230,11 @@ async def test_a_steps_events_reach_the_loop_in_one_call(tiny_runner: ModelRunne
 async def test_the_engines_deliveries_keep_their_order_and_end_with_it(tiny_runner: ModelRunner) -> None:
     """The engine thread hands its deliveries to the event loop (call results, generation events) to its
     courier thread, which makes them in the order they were handed over; stopping the worker ends both."""
+    before = set(threading.enumerate())
     worker = EngineWorker(tiny_runner)
     worker.start()
+    started = [thread for thread in threading.enumerate() if thread not in before]
+    assert {thread.name for thread in started} == {"chatd-engine", "chatd-engine-courier"}
     settled: list[int] = []
     try:
         handle = worker.generate(tiny_runner.new_cache(), [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
@@ -244,4 +247,4 @@ async def test_the_engines_deliveries_keep_their_order_and_end_with_it(tiny_runn
         assert worker.stop()
     assert settled == list(range(50))
     assert isinstance(events[-1], GenerationResult) and len(events[-1].generated_ids) == 4
-    assert not [thread for thread in threading.enumerate() if thread.name.startswith("chatd-engine")]
+    assert not [thread for thread in started if thread.is_alive()]

@@ -662,9 +662,9 @@ typedef void (*vector_group_fn)(const int8_t *xq, const float *dx, const float *
  * copy, with no barrier between the two; more rows are quantised once, split over the threads, into one copy
  * that every thread then reads. The copy of one's own costs a thread the other rows' quantisation, and spares it
  * the barrier and the stores into lines the other core holds (the shared copy's lines were last read by every
- * core). Per-step A/B on the 2-core Zen 4 (AVX512-VNNI, 400 steps each, 64-token contexts), step time with the
- * copies of one's own vs the shared one: 1 row -5 %, 4 rows -8 %, 12 rows -8 %, 16 rows -8 %; 20 and 32 rows
- * even, 64 rows +3 %. */
+ * core). Per-step A/B on the 2-core Zen 4 (AVX512-VNNI, 250-400 steps each, 64-token contexts, repeated runs),
+ * step time with the copies of one's own vs the shared one: 1 row -5 %, 4 rows -8 %, 8 rows -5 % to 0, 12 rows
+ * -8 % to +3 %, 16 rows -8 % to +1 %; 20 and 32 rows even, 64 rows +3 %. AVX2: -2 % at 1 and 8 rows. */
 #define OWN_ROWS 16
 
 /* This thread's scratch for its own copy of the quantised rows, kept from call to call (it stays in the core's
