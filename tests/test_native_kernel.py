@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import platform
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -208,8 +209,8 @@ def test_decode_steps_with_the_kernel_equal_torch_attention(real_runner: ModelRu
 def test_rope_and_the_kv_write_are_bit_for_bit_the_torch_paths(real_runner: ModelRunner,
                                                                kv_dtype: torch.dtype) -> None:
     """The native RoPE + K/V write leaves the same bits in the pool as torch's ops (fp32, or rounded to
-    bf16 alike), so snapshots do not depend on which path computed them; a prompt's logits (chunks too
-    long for the native attention, so it runs through torch either way) are identical too."""
+    bf16 alike), so snapshots do not depend on which path computed them; a prompt's logits (chunks longer
+    than the native attention is given here, so it runs through torch either way) are identical too."""
     real_runner = _with_kv(real_runner, kv_dtype)
     assert real_runner.pool.dtype == kv_dtype
     forward = real_runner.forward
@@ -219,6 +220,7 @@ def test_rope_and_the_kv_write_are_bit_for_bit_the_torch_paths(real_runner: Mode
 
     def prefill(kernels: EngineKernels | None) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         saved, forward.kernels = forward.kernels, kernels
+        longest, forward.native_attention_max_run = forward.native_attention_max_run, NATIVE_ATTENTION_MAX_RUN
         cache = real_runner.new_cache()
         try:
             cut = NATIVE_ATTENTION_MAX_RUN + 1
@@ -226,6 +228,7 @@ def test_rope_and_the_kv_write_are_bit_for_bit_the_torch_paths(real_runner: Mode
             return logits, [(k.clone(), v.clone()) for k, v in cache.filled_layers()]
         finally:
             forward.kernels = saved
+            forward.native_attention_max_run = longest
             cache.free()
 
     (native_logits, native_kv), (torch_logits, torch_kv) = prefill(forward.kernels), prefill(None)
@@ -616,9 +619,10 @@ def test_the_packaged_model_runs_its_q4_blocks_on_the_tile_kernel(real_runner: M
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32, torch.int8])
 def test_a_whole_step_in_one_native_call_equals_the_loop_over_layers(real_runner: ModelRunner, tile_kind: str,
                                                                     kv_dtype: torch.dtype) -> None:
-    """With every projection on the tile kernel, a step whose runs all attend natively (decode tokens, short
-    prompt chunks) runs as one native call (chatd/engine/step.c). It calls the same kernels in the same order,
-    so its logits and the K/V it writes equal the Python loop's bit for bit; a longer chunk keeps the loop."""
+    """With every projection on the tile kernel, a step whose runs all attend natively (decode tokens, prompt
+    chunks) runs as one native call (chatd/engine/step.c). It calls the same kernels in the same order, so its
+    logits and the K/V it writes equal the Python loop's bit for bit; a chunk longer than the native attention
+    takes (as on a CPU whose SDPA runs in bf16) keeps the loop."""
     kernels = real_runner.forward.kernels if real_runner.forward is not None else None
     assert kernels is not None
     # The kind is selected on the runner's own library (each loaded library keeps its own selection).
@@ -635,6 +639,7 @@ def _whole_step_equals_the_loop(real_runner: ModelRunner, kernels: EngineKernels
                                 kv_dtype: torch.dtype) -> None:
     forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
     forward.kernels = kernels
+    forward.native_attention_max_run = NATIVE_ATTENTION_MAX_RUN
     info = dataclasses.replace(real_runner.info, dtype=kv_dtype)
     texts = ("The capital of France is", "Water boils at", "One, two, three, four,", "Dear diary, today", "Hi")
     prompts = [real_runner.tokenizer(text * n).input_ids for n, text in enumerate(texts, start=1)]
@@ -670,6 +675,48 @@ def _whole_step_equals_the_loop(real_runner: ModelRunner, kernels: EngineKernels
     for a, b in zip(native, loop, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(written_native, written_loop)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float32])
+def test_where_every_chunk_attends_natively_a_prompt_is_the_same_bits_however_it_is_chunked(
+        real_runner: ModelRunner, kv_dtype: torch.dtype) -> None:
+    """Where SDPA would run in fp32 (no AMX tiles), prompt chunks of every length attend through the native kernel,
+    so with the projections on the vector tile kernel a whole prompt step is one native call. Each row's
+    projections, RoPE, K/V write and attention are then computed alone, by the same code whatever else is in its
+    call: a prompt prefilled in one chunk or in three leaves the same K/V bits and ends on the same logits."""
+    kernels = real_runner.forward.kernels if real_runner.forward is not None else None
+    assert kernels is not None
+    if kernels.tile_matmul_kind not in ("avx512-vnni", "avx2", "amx"):
+        pytest.skip("this CPU has no tile kernel")
+    forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
+    forward.kernels = kernels
+    assert forward.native_attention_max_run == (NATIVE_ATTENTION_MAX_RUN if forward.bf16_attention else sys.maxsize)
+    forward.native_attention_max_run = sys.maxsize  # what a CPU without AMX runs; on AMX, for this test
+    default_rows, kernels.amx_min_rows = kernels.amx_min_rows, 1 << 20  # AMX rounds x its own way: vectors only
+    info = dataclasses.replace(real_runner.info, dtype=kv_dtype)
+    runner = ModelRunner(real_runner.model, real_runner.tokenizer, info, forward)
+    runner.configure_pool(64 << 20)
+    prompt = real_runner.tokenizer("Once upon a time a fox lived in the woods near a river. " * 10).input_ids
+    assert len(prompt) > 2 * NATIVE_ATTENTION_MAX_RUN
+
+    def prefill(cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        cache, before = runner.new_cache(), forward.native_steps
+        try:
+            for start, end in zip([0, *cuts], [*cuts, len(prompt)], strict=True):
+                logits = runner.prefill(cache, prompt[start:end])
+            keys_values = torch.cat([torch.cat([k, v]) for k, v in cache.filled_layers()])
+            return logits, keys_values.clone(), forward.native_steps - before
+        finally:
+            cache.free()
+
+    try:
+        whole, whole_kv, whole_steps = prefill([])
+        parts, parts_kv, parts_steps = prefill([NATIVE_ATTENTION_MAX_RUN + 7, len(prompt) - 40])
+    finally:
+        kernels.amx_min_rows = default_rows
+    assert (whole_steps, parts_steps) == (1, 3)  # every chunk, the longest too, in one native call
+    assert torch.equal(whole, parts)
+    assert torch.equal(whole_kv, parts_kv)
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -15,6 +15,7 @@ the projections). Both append the new positions' K/V to the caches and return lo
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,9 +33,10 @@ from chatd.engine.quant import GGUFWeights, TileQ4Linear, TileQ8Linear
 # anything else keeps transformers' forward. Mistral and Qwen2 share the arithmetic but wait for a test
 # with real weights of their own.
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
-# Prompt chunks up to this many tokens attend through the native kernel (one call per layer for every such
-# run and every decode token); its row-by-row walk rereads the cache per query row, where SDPA's blocks
-# share it, so longer chunks go to SDPA.
+# Where SDPA runs in bf16 on AMX tiles (LlamaForward.bf16_attention), prompt chunks up to this many tokens attend
+# through the native kernel (one call per layer for every such run and every decode token) and longer ones
+# through SDPA: the kernel's row-by-row walk rereads the cache per query row, where SDPA's blocks share it. Where
+# SDPA runs in fp32 every run takes the kernel, which measured faster for every length (docs/performance.md).
 NATIVE_ATTENTION_MAX_RUN = 64
 
 
@@ -293,6 +295,8 @@ class LlamaForward:
         # faster than widening K/V to fp32 there, and the result is rounded to bf16 for the o projection
         # anyway. Without AMX, bf16 SDPA is the slower one (docs/performance.md).
         self.bf16_attention = device.type == "cpu" and bf16_attention_is_fast()
+        # The longest run that attends through the native kernel (when there is one); longer ones take SDPA.
+        self.native_attention_max_run = NATIVE_ATTENTION_MAX_RUN if self.bf16_attention else sys.maxsize
         # Native kernels (chatd/engine/native.py), set by the loader where they build and fit the pool (CPU,
         # fp32 K/V): RoPE with the K/V write for every row, and the attention of single-token runs. None:
         # torch's ops alone.
@@ -408,10 +412,11 @@ class LlamaForward:
             kernels = self.kernels
             rope = self._rope_table(positions.to(self.device)) if kernels is None else None
             bounds = list(itertools.accumulate(lengths, initial=0))
-            # Decode tokens and short prompt chunks attend in one native call per layer for all of them,
-            # straight from their block tables, each row over its own causal prefix; longer chunks (and every
-            # run without the kernel) attend through torch's SDPA, which reuses K/V across query rows.
-            natives = ([run for run, n in enumerate(lengths) if n <= NATIVE_ATTENTION_MAX_RUN]
+            # Decode tokens and prompt chunks attend in one native call per layer for all of them, straight
+            # from their block tables, each row over its own causal prefix; chunks longer than
+            # native_attention_max_run (and every run without the kernel) attend through torch's SDPA, which
+            # reuses K/V across query rows.
+            natives = ([run for run, n in enumerate(lengths) if n <= self.native_attention_max_run]
                        if kernels is not None else [])
             others = sorted(set(range(len(runs))) - set(natives))
             # Causal over the cached prefix and the run itself: new token j sees positions <= start + j. A
