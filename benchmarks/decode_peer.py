@@ -3,13 +3,14 @@
     python -m benchmarks.decode_peer --llama-server PATH [--threads 2] [--weights float32,q4,q4/bfloat16]
                                      [--contexts 256,1024,2048] [--tokens 64] [--rounds 3] [--batch 8,16]
 
-For each context length a greedy decode of ``--tokens`` tokens after a prompt of that many tokens:
-chatd's engine step (``ModelRunner.prefill`` then ``ModelRunner.decode`` one token at a time, the
-calls the engine worker makes) against llama-server's ``/completion`` (``timings.predicted_per_second``,
-prompt caching off). Runs alternate chatd and llama-server round by round, so a busy moment of the
-machine hits both. With ``--batch N`` it also measures aggregate decode of N sessions at once: chatd's
-batched ``decode`` of N caches against N concurrent requests to llama-server started with ``-np N``
-(the largest N given). A ``--weights`` entry ``W/D`` runs weights ``W`` with a ``D`` KV cache
+For each context length a greedy decode of ``--tokens`` tokens after a prompt of that many tokens: chatd's
+engine step (``ModelRunner.prefill`` then ``ModelRunner.decode`` one token at a time, the calls the engine
+worker makes) against llama-server's ``/completion`` (``timings.predicted_per_second``, prompt caching off).
+The prompt's prefill is compared too: chatd's in chunks of 256 tokens, as the engine prefills one prompt
+alone, against ``timings.prompt_per_second`` of the same request. Runs alternate chatd and llama-server round
+by round, so a busy moment of the machine hits both. With ``--batch N`` it also measures aggregate decode of N
+sessions at once: chatd's batched ``decode`` of N caches against N concurrent requests to llama-server started
+with ``-np N`` (the largest N given). A ``--weights`` entry ``W/D`` runs weights ``W`` with a ``D`` KV cache
 (``[model] dtype``).
 The table reports medians and chatd ÷ llama-server. ``make peer`` builds llama-server.
 """
@@ -41,15 +42,18 @@ def prompt_ids(runner: ModelRunner, n: int) -> list[int]:
     return ids[:n]
 
 
-def chatd_decode(runner: ModelRunner, prompt: list[int], tokens: int, batch: int = 1) -> float:
-    """Aggregate greedy decode tok/s of ``batch`` sessions with ``prompt`` cached (prefill not timed)."""
+def chatd_decode(runner: ModelRunner, prompt: list[int], tokens: int, batch: int = 1) -> tuple[float, float]:
+    """Aggregate greedy decode tok/s of ``batch`` sessions with ``prompt`` cached, and the prefill tok/s of
+    the prompts (one session after another, each in chunks of 256)."""
     caches = []
+    started = time.perf_counter()
     for _ in range(batch):
         cache = runner.new_cache()
         cache.reserve(len(prompt) + tokens + 1)
         for start in range(0, len(prompt), 256):
             logits = runner.prefill(cache, prompt[start:start + 256])
         caches.append(cache)
+    prefill = batch * len(prompt) / (time.perf_counter() - started)
     nxt = [int(logits.argmax())] * batch
     started = time.perf_counter()
     for _ in range(tokens):
@@ -57,18 +61,21 @@ def chatd_decode(runner: ModelRunner, prompt: list[int], tokens: int, batch: int
     elapsed = time.perf_counter() - started
     for cache in caches:
         cache.free(forget=True)  # the next case gets the whole pool
-    return batch * tokens / elapsed
+    return batch * tokens / elapsed, prefill
 
 
-def llama_decode(server: LlamaServer, prompt: list[int], tokens: int, batch: int = 1) -> float:
+def llama_decode(server: LlamaServer, prompt: list[int], tokens: int, batch: int = 1) -> tuple[float, float]:
+    """Aggregate decode tok/s of ``batch`` concurrent requests, and one request's prompt tok/s."""
     body = {"prompt": prompt, "n_predict": tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
             "ignore_eos": True, "stream": False}
     if batch == 1:
-        return float(server.post("/completion", body)["timings"]["predicted_per_second"])
+        timings = server.post("/completion", body)["timings"]
+        return float(timings["predicted_per_second"]), float(timings["prompt_per_second"])
     with concurrent.futures.ThreadPoolExecutor(batch) as pool:
         results = list(pool.map(lambda _: server.post("/completion", body), range(batch)))
     # The requests decode together; their rates add up to the aggregate.
-    return sum(float(r["timings"]["predicted_per_second"]) for r in results)
+    return (sum(float(r["timings"]["predicted_per_second"]) for r in results),
+            float(results[0]["timings"]["prompt_per_second"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batch.split(",") if b and int(b) > 1]
     cases = [(c, 1) for c in contexts] + [(min(contexts), b) for b in batches]
     results: dict[tuple[str, int, int], list[float]] = {}
+    prefills: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         slots = max([1, *batches])
         server = LlamaServer(args.llama_server, gguf, Path(scratch), context=slots * (max(contexts) + args.tokens + 16),
@@ -107,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             for round_ in range(args.rounds):
                 for context, batch in cases:
                     prompt = prompt_ids(any_runner, context)
-                    for name, runner in runners.items():
-                        results.setdefault((name, context, batch), []).append(
-                            chatd_decode(runner, prompt, args.tokens, batch))
-                    results.setdefault(("llama-server", context, batch), []).append(
-                        llama_decode(server, prompt, args.tokens, batch))
+                    for name, runner in [*runners.items(), ("llama-server", None)]:
+                        decode, prefill = (chatd_decode(runner, prompt, args.tokens, batch) if runner is not None
+                                           else llama_decode(server, prompt, args.tokens, batch))
+                        results.setdefault((name, context, batch), []).append(decode)
+                        if batch == 1:
+                            prefills.setdefault((name, context), []).append(prefill)
                 print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             server.stop()
@@ -126,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [f"{med[n] / med['llama-server']:.2f}" for n in runners]
         print(f"| {context} | {batch} | " + " | ".join(f"{med[n]:.1f}" for n in names) + " | "
               + " | ".join(ratios) + " |")
+    print(f"\nprefill tok/s of the same prompts, median of {args.rounds} rounds (chatd in chunks of 256)")
+    print("| context | " + " | ".join(names) + " | " + " | ".join(f"{n} ÷ llama-server" for n in runners) + " |")
+    print("|" + " --- |" * (1 + len(names) + len(runners)))
+    for context in contexts:
+        med = {n: statistics.median(prefills[(n, context)]) for n in names}
+        print(f"| {context} | " + " | ".join(f"{med[n]:.1f}" for n in names) + " | "
+              + " | ".join(f"{med[n] / med['llama-server']:.2f}" for n in runners) + " |")
     return 0
 
 

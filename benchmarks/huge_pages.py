@@ -47,7 +47,7 @@ def child(weights: str, huge_pages: bool, tokens: int, threads: int) -> None:
     rates = {}
     for context, batch in CASES:
         prompt = prompt_ids(runner, context)
-        rates[f"{context}x{batch}"] = max(chatd_decode(runner, prompt, tokens, batch) for _ in range(2))
+        rates[f"{context}x{batch}"] = max(chatd_decode(runner, prompt, tokens, batch)[0] for _ in range(2))
     print(json.dumps({"rates": rates, "huge_bytes": _huge_bytes()}))
 
 
