@@ -24,10 +24,11 @@ import httpx
 import tomli_w
 
 from chatd.dev import CACHE_DIR, ROOT, free_port, packaged_model_dir, tiny_model_dir
+from chatd.engine.cpu import ISA_ENV
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATD_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATD_") or k == ISA_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.update(extra)
     return env

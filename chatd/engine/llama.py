@@ -24,6 +24,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 
+from chatd.engine.cpu import cpu_features
 from chatd.engine.kvcache import KVPool, SessionKV, appending, attend
 from chatd.engine.native import EngineKernels, StepPlan
 from chatd.engine.paged import dequantize_rows
@@ -544,6 +545,8 @@ def bf16_matmul_is_fast() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16). There a dense bf16
     matmul of a few rows or more costs about what reading its weights costs, flat from 4 to 64 rows, where
     the int4 kernel pays for every row (docs/performance.md, "Decode engine")."""
+    if not cpu_features().bf16_matmul:  # what the engine may use (CHATD_CPU_ISA may cap it)
+        return False
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     try:
         return any(bool(getattr(torch.cpu, name)()) for name in probes if hasattr(torch.cpu, name))
@@ -554,6 +557,8 @@ def bf16_matmul_is_fast() -> bool:
 def bf16_attention_is_fast() -> bool:
     """Whether SDPA over bf16 K/V is faster in bf16 than widened to fp32 on this CPU: where it has AMX tiles
     (measured 2.2-2.6x for a 256-token chunk over 512-2,048 positions); on AVX512-BF16 alone it was slower."""
+    if not cpu_features().amx:
+        return False
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     try:
         return bool(probe()) if probe is not None else False

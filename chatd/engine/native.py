@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from chatd.engine.cpu import cpu_features
 from chatd.engine.paged import INT8_SCALE_BYTES
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,9 @@ _TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx", 3: "a
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
-# The instruction set compiled for: this very CPU. The tests also build for x86-64-v3 (AVX2, FMA, F16C: a
-# CPU without AVX512, such as AMD's Zen 3) to run the AVX2 kernels on a machine that has AVX512 too.
+# The instruction set compiled for: this very CPU, as the engine sees it (chatd.engine.cpu: CHATD_CPU_ISA=avx2
+# builds for x86-64-v3). The tests also build for x86-64-v3 (AVX2, FMA, F16C: a CPU without AVX512, such as
+# AMD's Zen 3) to run the AVX2 kernels on a machine that has AVX512 too.
 NATIVE_ARCH = "native"
 LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120
@@ -58,14 +60,16 @@ def _head_dim(kv: torch.Tensor) -> int:
 
 
 def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
+    features = cpu_features()
+    return " ".join(sorted(features.flags)) or platform.processor()
+
+
+def _arch_flags(arch: str) -> tuple[str, ...]:
+    """The ``-march`` (and any flag beside it) for ``arch``; ``native`` is this CPU after CHATD_CPU_ISA's cap."""
+    if arch != NATIVE_ARCH:
+        return (f"-march={arch}",)
+    features = cpu_features()
+    return (f"-march={features.arch}", *features.extra_flags)
 
 
 def _compiler() -> str | None:
@@ -84,7 +88,7 @@ def build(cache_dir: Path, arch: str = NATIVE_ARCH) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"the C compiler {compiler} does not run: {exc}") from None
     texts = [source.read_text() for source in SOURCES]
-    flags = (f"-march={arch}", *COMPILE_FLAGS)
+    flags = (*_arch_flags(arch), *COMPILE_FLAGS)
     key = hashlib.sha256("\0".join([*texts, *flags, *LINK_FLAGS, version, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     target = cache_dir / f"engine-kernels-{key}.so"

@@ -38,6 +38,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.utils import logging as hf_logging
 
 from chatd.config import ModelSettings
+from chatd.engine.cpu import cpu_features
 from chatd.engine.graphs import DecodeGraphs
 from chatd.engine.hugepages import advise_huge_pages, populate_in_background
 from chatd.engine.kvcache import BLOCK_SIZE, KVPool, SessionKV, any_layer_kv, appending
@@ -89,6 +90,11 @@ class ModelInfo:
     load_s: float
     weights: str = "transformers"
     """How the weights run: ``transformers`` (transformers' forward) or the compact forward's precision."""
+    cpu_features: tuple[str, ...] = ()
+    """The CPU features the engine chose its paths by (after ``CHATD_CPU_ISA``'s cap; chatd.engine.cpu)."""
+    kernels: str | None = None
+    """The native kernels' tile matmul in use (``amx``, ``avx512-vnni``, ``avx2``), ``none`` where the kernels
+    have none, None without native kernels."""
 
     @property
     def dtype_name(self) -> str:
@@ -404,6 +410,7 @@ class ModelRunner:
             name = folder
             weights_hash = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()
         config = model.config.get_text_config()
+        features = cpu_features()
         weights = resolve_weights(settings.weights, device, config, has_gguf=has_gguf)
         forward: LlamaForward | None = None
         compact_cpu = weights != "transformers" and device.type == "cpu"
@@ -440,9 +447,14 @@ class ModelRunner:
             eos_token_ids=frozenset(eos),
             load_s=time.monotonic() - started,
             weights=weights,
+            cpu_features=features.names if device.type == "cpu" else (),
+            kernels=None if forward is None or forward.kernels is None else forward.kernels.tile_matmul_kind or "none",
         )
         log.info("loaded %s (%s weights, %s KV cache, %s) in %.1f s", name, weights, info.dtype_name, device,
                  info.load_s)
+        if device.type == "cpu":
+            log.info("CPU features: %s; torch's kernels: %s; native tile matmul: %s", features.describe(),
+                     torch.backends.cpu.get_cpu_capability(), info.kernels or "no native kernels")
         runner = cls(model, tokenizer, info, forward, kernels)
         runner.cuda_graphs = settings.cuda_graphs and device.type == "cuda" and forward is not None
         runner.huge_pages = settings.huge_pages and device.type == "cpu"

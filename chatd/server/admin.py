@@ -134,7 +134,9 @@ def render_stats(stats: Stats) -> dict[str, Any]:
     restore_ms_mean = stats.restore_ms_mean
     return {
         "model": {"name": stats.model.name, "dtype": stats.model.dtype, "device": stats.model.device,
-                  "max_context": stats.model.max_context, "kv_bytes_per_token": stats.model.kv_bytes_per_token},
+                  "max_context": stats.model.max_context, "kv_bytes_per_token": stats.model.kv_bytes_per_token,
+                  "weights": stats.model.weights, "cpu_features": list(stats.model.cpu_features),
+                  "kernels": stats.model.kernels},
         "tiers": {use.tier: {"budget_bytes": use.budget_bytes, "used_bytes": use.used_bytes,
                              "sessions": use.num_sessions} for use in stats.tiers},
         "pool": {"block_size": stats.pool.block_size, "blocks": stats.pool.num_blocks,

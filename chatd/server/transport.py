@@ -6,7 +6,7 @@ The slow-reader limit (close 4408, generations cancelled) counts frames queued i
 on its own (``tcp_wmem``, up to 4 MiB by default), so a client that stopped reading could leave megabytes of
 frames in the kernel while the queue stayed empty and its generations ran on to ``length``. A fixed
 ``SO_SNDBUF`` turns that growth off: what the server holds for one connection is then bounded by this buffer,
-the protocol's write buffer (64 KiB high-water mark) and ``send_queue_frames`` frames, and a reader that
+the transport's write buffer (``WRITE_BUFFER_BYTES``) and ``send_queue_frames`` frames, and a reader that
 stops gets closed once those fill.
 """
 
@@ -21,6 +21,8 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 SEND_BUFFER_BYTES = 64 * 1024
 """``SO_SNDBUF`` of every websocket connection (Linux doubles it for bookkeeping). Token frames are ~100 bytes,
 so this is room for hundreds of them; only a reader that stopped fills it."""
+WRITE_BUFFER_BYTES = 64 * 1024
+"""The transport's write buffer high-water mark: past it the protocol stops sending until the socket drains."""
 
 
 def limit_send_buffer(transport: asyncio.BaseTransport, size: int = SEND_BUFFER_BYTES) -> None:
@@ -38,4 +40,5 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         limit_send_buffer(transport)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
         super().connection_made(transport)
