@@ -12,7 +12,7 @@ ARG TORCH=cpu
 ARG PIP_EXTRA_INDEX_URL=""
 WORKDIR /app
 # A C compiler: the engine builds its native decode-attention kernel for the CPU it runs on at first start
-# (chatd/engine/native.py; without one it falls back to torch's attention, slower).
+# (chatd/engine/kernels/loader.py; without one it falls back to torch's attention, slower).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml constraints.txt README.md alembic.ini config.toml ./
 COPY scripts/ scripts/

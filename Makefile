@@ -10,11 +10,11 @@ test:
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
 lint:
-	.venv/bin/ruff check chatd tests benchmarks
+	.venv/bin/ruff check chatd devtools tests benchmarks
 	.venv/bin/mypy
 
 bench:
-	@scripts/setup.sh
+	@CHATD_EXTRAS=server,bench scripts/setup.sh
 	.venv/bin/python -m benchmarks $(ARGS)
 
 # llama.cpp's llama-server for the benchmarks' peer section, built once outside the checkout.

@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chatd.engine.kernels.cpu import cpu_features
+
 if TYPE_CHECKING:
     import torch
 
     from chatd.config import Settings
     from chatd.core import Chatd
-    from chatd.engine.runner import ModelRunner
+    from chatd.engine.model.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_VERSION = 1
@@ -199,7 +201,7 @@ class Bench:
     """Called after each figure (the suite writes partial results there)."""
 
     def model_dir(self) -> Path:
-        from chatd.dev import packaged_model_dir
+        from devtools.models import packaged_model_dir
 
         return packaged_model_dir()
 
@@ -207,7 +209,7 @@ class Bench:
         """The packaged model, loaded once per run with the run's device, dtype and threads."""
         if self._runner is None:
             from chatd.config import ModelSettings
-            from chatd.engine.runner import ModelRunner
+            from chatd.engine.model.runner import ModelRunner
 
             folder = self.model_dir()
             self._runner = ModelRunner.load(
@@ -351,6 +353,7 @@ def machine_info(device: str) -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "cpu_model": _cpu_model(),
+        "cpu_features": cpu_features().describe(),
         "cpu_cores": os.cpu_count() or 0,
         "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "ram_bytes": _ram_bytes(),

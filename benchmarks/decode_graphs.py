@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from chatd.config import ModelSettings
-from chatd.engine.kvcache import SessionKV
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.pool.kvcache import SessionKV
 
 MODES = ("eager", "fixed", "graphs")
 WARM_STEPS = 4
@@ -47,7 +47,7 @@ def shaped_model_dir(folder: Path) -> Path:
     folder, which carries it), saved in ``folder``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from chatd.dev import tiny_model_dir
+    from devtools.models import tiny_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
     config = LlamaConfig(

@@ -30,8 +30,8 @@ import torch
 
 from benchmarks.peer import LlamaServer, packaged_gguf
 from chatd.config import ModelSettings
-from chatd.dev import CACHE_DIR, ROOT, packaged_model_dir
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
+from devtools.models import CACHE_DIR, ROOT, packaged_model_dir
 
 
 def prompt_ids(runner: ModelRunner, n: int) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 from benchmarks.common import open_chatd
 from chatd import config
 from chatd.config import ModelSettings
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
 from chatd.protocol import GenerationParams
 from chatd.turns import TurnResult
 
@@ -31,7 +31,7 @@ _LATER_LOAD = """
 import sys, time
 from pathlib import Path
 from chatd.config import ModelSettings
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
 started = time.monotonic()
 ModelRunner.load(ModelSettings(threads=int(sys.argv[2])), Path(sys.argv[1]))
 print(time.monotonic() - started)

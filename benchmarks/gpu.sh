@@ -40,7 +40,7 @@ prepare() {
     [[ -x $py ]] || { say "--prepare needs the project's venv ($py): run scripts/setup.sh first"; exit 2; }
     rm -rf "$GPU_DIR"
     mkdir -p "$GPU_DIR/wheels"
-    # chatd's runtime requirements (and chatd.dev's), pinned to the versions installed here, minus
+    # chatd's runtime requirements (and devtools'), pinned to the versions installed here, minus
     # torch, its dependencies and the large packages a CUDA image already has.
     "$py" - "$GPU_DIR/requirements.txt" <<'PY'
 import re, sys

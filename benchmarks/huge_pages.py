@@ -36,8 +36,8 @@ def _huge_bytes() -> int:
 def child(weights: str, huge_pages: bool, tokens: int, threads: int) -> None:
     from benchmarks.decode_peer import chatd_decode, prompt_ids
     from chatd.config import ModelSettings
-    from chatd.dev import CACHE_DIR, packaged_model_dir
-    from chatd.engine.runner import ModelRunner
+    from chatd.engine.model.runner import ModelRunner
+    from devtools.models import CACHE_DIR, packaged_model_dir
 
     torch.set_num_threads(threads)
     packaged_model_dir()

@@ -64,7 +64,7 @@ def run_memory(bench: Bench) -> Figure:
     fig.summary = {"model_dir": result["model_dir"], "kv_bytes_per_token": result["kv_bytes_per_token"]}
     if plan.memory_model == "tiny":
         fig.notes.append("model: the tiny random-init 2-layer llama with the real tokenizer "
-                         "(chatd.dev.tiny_model_dir()), so 100 sessions fit the time budget; the "
+                         "(devtools.models.tiny_model_dir()), so 100 sessions fit the time budget; the "
                          "eviction and restore logic is the same as with the real model.")
     else:
         fig.notes.append("model: the packaged SmolLM2-135M-Instruct.")
@@ -81,10 +81,10 @@ def run_memory(bench: Bench) -> Figure:
 async def _workload(args: argparse.Namespace) -> dict[str, Any]:
     from chatd import config
     from chatd.config import ModelSettings
-    from chatd.dev import packaged_model_dir, tiny_model_dir
-    from chatd.engine.runner import ModelRunner
+    from chatd.engine.model.runner import ModelRunner
     from chatd.protocol import GenerationParams
     from chatd.turns import TurnResult
+    from devtools.models import packaged_model_dir, tiny_model_dir
 
     folder = tiny_model_dir() if args.model == "tiny" else packaged_model_dir()
     runner = ModelRunner.load(ModelSettings(source=str(folder), device=args.device, dtype=args.dtype,

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import Bench, Column, Corpus, Figure, ratio
-from chatd.dev import ServerProcess
+from devtools.servers import ServerProcess
 
 TURNS = 10
 USER_TOKENS = 48

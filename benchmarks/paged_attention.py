@@ -5,7 +5,7 @@
 SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64), fp32, block size 16, one layer;
 "x30" multiplies by the model's 30 layers to show the share of a decode step. Prints a Markdown table:
 
-* paged: :func:`chatd.engine.paged.paged_attention` (one gather + one SDPA for the batch);
+* paged: :func:`chatd.engine.pool.paged.paged_attention` (one gather + one SDPA for the batch);
 * rows, pool: a Python loop, per row a gather of its blocks + SDPA;
 * rows, own buffers: a Python loop, per row SDPA over its own contiguous K/V (the engine's
   attention before the paged pool: no gather, but one call per row).
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from chatd.engine.paged import PagedKVPool, paged_attention
+from chatd.engine.pool.paged import PagedKVPool, paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
 

@@ -28,7 +28,7 @@ import httpx
 
 from benchmarks.common import Bench, Column, Corpus, Figure, median, ratio
 from chatd.chat.template import ChatTemplate
-from chatd.dev import free_port
+from devtools.servers import free_port
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SLOT_FILE = "chatd-bench-slot.bin"

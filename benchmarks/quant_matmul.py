@@ -6,10 +6,10 @@ Per-call milliseconds of ``y = x @ W^T`` for x fp32 ``[M, K]`` and W ``[N, K]`` 
 every column fp32 in and fp32 out (the bf16 casts around the kernels are included):
 
 * fp32: ``F.linear`` with the dequantized fp32 weight (what the transformers path runs);
-* int4: :class:`chatd.engine.quant.Int4Linear` (Q4_1 group 32, ``_weight_int4pack_mm_for_cpu``, bf16);
-* int8: :class:`chatd.engine.quant.Int8RowLinear` (per-row int8, ``_weight_int8pack_mm``, bf16; lossy
+* int4: :class:`chatd.engine.model.quant.Int4Linear` (Q4_1 group 32, ``_weight_int4pack_mm_for_cpu``, bf16);
+* int8: :class:`chatd.engine.model.quant.Int8RowLinear` (per-row int8, ``_weight_int8pack_mm``, bf16; lossy
   for Q8_0);
-* q8_0: :class:`chatd.engine.quant.Q8_0Linear` (Q8_0 exactly, as two int4 halves along K) — the LM
+* q8_0: :class:`chatd.engine.model.quant.Q8_0Linear` (Q8_0 exactly, as two int4 halves along K) — the LM
   head's chosen path; shown for every shape for comparison.
 
 A second table times one pass over every projection of all 30 layers plus the LM head, with distinct
@@ -37,10 +37,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from chatd.dev import CACHE_DIR
-from chatd.engine.llama import PackedBf16Linear
-from chatd.engine.native import load_kernels
-from chatd.engine.quant import TILE_KINDS, Int4Linear, Int8RowLinear, Q4_1Weight, Q8_0Linear, Q8_0Weight, pack_for
+from chatd.engine.kernels.loader import load_kernels
+from chatd.engine.model.quant import TILE_KINDS, Int4Linear, Int8RowLinear, Q4_1Weight, Q8_0Linear, Q8_0Weight, pack_for
+from chatd.engine.model.weights import PackedBf16Linear
+from devtools.models import CACHE_DIR
 
 SHAPES = [  # (label, K, N)
     ("576x576 (q, o)", 576, 576),

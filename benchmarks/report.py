@@ -38,7 +38,8 @@ def _context_lines(report: dict[str, Any]) -> list[str]:
     return [
         f"- mode: **{report['mode']}** (plan `{report['plan']['name']}`), {report['started_at']}, "
         f"{report['duration_s']:.0f} s in all",
-        f"- machine: {m['cpu_model']}, {m['cpu_cores']} cores ({m['cpu_cores_usable']} usable), "
+        f"- machine: {m['cpu_model']} ({m.get('cpu_features', 'features not recorded')}), {m['cpu_cores']} cores "
+        f"({m['cpu_cores_usable']} usable), "
         f"{m['ram_bytes'] / 2**30:.1f} GiB RAM{gpu}; load average at start {m['load_average_1m']}",
         f"- software: Python {s['python']}, torch {s['torch']}, transformers {s['transformers']}, "
         f"numpy {s['numpy']}, zstandard {s['zstandard']}, chatd {s['chatd']} ({s['git_commit'][:12] or 'no git'})",

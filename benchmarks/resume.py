@@ -15,9 +15,9 @@ import tempfile
 
 from chatd import config
 from chatd.core import Chatd
-from chatd.dev import ROOT
 from chatd.protocol import GenerationParams
 from chatd.turns import TurnResult
+from devtools.models import ROOT
 
 
 async def _turn(core: Chatd, session_id: str, text: str) -> TurnResult:

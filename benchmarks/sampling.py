@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from chatd.engine.sampling import SamplingParams, make_generator, sample, sample_rows
+from chatd.engine.model.sampling import SamplingParams, make_generator, sample, sample_rows
 
 VOCAB = 49152  # SmolLM2's vocabulary
 SETTINGS = {

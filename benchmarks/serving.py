@@ -24,10 +24,10 @@ import torch
 from benchmarks.common import ROOT, Bench, Column, Figure, median, percentile, proc_status_bytes, ratio
 from chatd.chat.template import ChatTemplate
 from chatd.client.client import ChatClient
-from chatd.dev import ServerProcess
+from devtools.servers import ServerProcess
 
 if TYPE_CHECKING:
-    from chatd.engine.runner import ModelRunner
+    from chatd.engine.model.runner import ModelRunner
 
 DECODE_PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a message in a bottle. "
                  "Describe the island, the weather and the keeper's daily routine.")
@@ -164,8 +164,8 @@ _RESULT = "DIRECT-RESULT "
 
 def _direct_worker(args: argparse.Namespace) -> int:
     from chatd.config import ModelSettings
-    from chatd.dev import packaged_model_dir
-    from chatd.engine.runner import ModelRunner
+    from chatd.engine.model.runner import ModelRunner
+    from devtools.models import packaged_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,8 +23,8 @@ import torch
 import zstandard
 
 from benchmarks.common import MB, Bench, Column, Corpus, Figure, median, ratio, tensors_equal, timed
-from chatd.engine.kvcache import SessionKV
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.pool.kvcache import SessionKV
 from chatd.kv.persistence import fingerprint_of, finish_restore, read_snapshot_file, restore_targets
 from chatd.kv.snapshot import FORMAT_VERSION, ModelFingerprint, allocate_targets, read_snapshot, write_snapshot
 from chatd.kv.snapshot_frames import PlaneKernels, default_threads

@@ -23,8 +23,9 @@ from pathlib import Path
 import httpx
 import tomli_w
 
-from chatd.dev import CACHE_DIR, ROOT, free_port, packaged_model_dir, tiny_model_dir
-from chatd.engine.cpu import ISA_ENV
+from chatd.engine.kernels.cpu import ISA_ENV
+from devtools.models import CACHE_DIR, ROOT, packaged_model_dir, tiny_model_dir
+from devtools.servers import free_port
 
 
 def _env(**extra: str) -> dict[str, str]:

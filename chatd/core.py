@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
 from chatd.domain import SessionRecord, Tier, is_session_id
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
 from chatd.engine.threads import run_in_passing_thread
 from chatd.engine.worker import EngineWorker
 from chatd.errors import BadRequest, NotFound

@@ -19,6 +19,20 @@ Tier = Literal["device", "host", "disk", "none"]
 or nowhere (its next turn recomputes)."""
 TIERS: Final[tuple[Tier, ...]] = get_args(Tier)
 
+ContextSource = Literal["device", "host", "disk", "none"]
+"""Where a turn's reused context came from (the wire's ``Usage.cache_tier``): the session's cache or blocks
+resident on the device, host memory, its snapshot read back from disk, or nowhere (everything was prefilled).
+Decided in one place, :func:`context_source`."""
+
+
+def context_source(num_cached: int, *, restored: bool) -> ContextSource:
+    """The source of a turn that reuses ``num_cached`` positions, ``restored`` from a snapshot (for this turn or
+    ahead of it, on resume) or not."""
+    if num_cached == 0:
+        return "none"
+    return "disk" if restored else "device"
+
+
 Role = Literal["system", "user", "assistant"]
 ROLES: Final[tuple[Role, ...]] = get_args(Role)
 

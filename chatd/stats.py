@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Final, Literal
 from chatd.domain import Tier
 
 if TYPE_CHECKING:
-    from chatd.engine.runner import ModelInfo
+    from chatd.engine.model.runner import ModelInfo
     from chatd.kv.manager import KVManager
     from chatd.kv.persistence import SnapshotService
 

@@ -22,11 +22,12 @@ from datetime import UTC, datetime
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
 from chatd.domain import FinishReason, Role, is_valid_unicode
-from chatd.engine.runner import ModelInfo
-from chatd.engine.sampling import SamplingParams
+from chatd.engine.model.runner import ModelInfo
+from chatd.engine.model.sampling import SamplingParams
 from chatd.engine.worker import EngineWorker, GenerationFailed, GenerationHandle, GenerationResult, TextPiece
 from chatd.errors import BadRequest, ChatdError, ContextLengthExceeded, NotFound, ReplyNotSaved, TooLarge
-from chatd.kv.manager import KVManager, Lease, common_prefix_len
+from chatd.kv.manager import KVManager, Lease
+from chatd.kv.prefix import common_prefix_len
 from chatd.protocol import GenerationParams, Message, Usage
 from chatd.stats import Counters
 from chatd.store.repo import MessageRecord, Repo, SessionRecord
@@ -424,7 +425,7 @@ class TurnRunner:
             first_token_at, tps = result.first_token_at, result.decode_tokens_per_s
         ids = self.template.assistant_ids(content_ids, index)
         usage = Usage(
-            input_tokens=len(prompt), cached_tokens=lease.num_cached, cache_tier=lease.tier,
+            input_tokens=len(prompt), cached_tokens=lease.num_cached, cache_tier=lease.source,
             prefill_tokens=len(prompt) - lease.num_cached, output_tokens=len(generated),
             invalidated_from=invalidated_from, restore_ms=lease.restore_ms,
             ttft_ms=round(((first_token_at or time.monotonic()) - started) * 1000, 2),

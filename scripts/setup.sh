@@ -67,7 +67,7 @@ fi
 if [[ $want_test == 1 ]]; then
     # Browser tests drive Debian's Chromium; store tests also run against a throwaway PostgreSQL
     # cluster that the tests start themselves (only the server binaries are needed); the engine's native
-    # kernels (chatd/engine/native.py) are built with the machine's C compiler, and tested.
+    # kernels (chatd/engine/kernels/loader.py) are built with the machine's C compiler, and tested.
     missing=()
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)
     command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)

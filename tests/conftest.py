@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from chatd import config
 from chatd.config import ModelSettings, Settings
 from chatd.core import Chatd
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
 from tests import support
 
 

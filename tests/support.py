@@ -1,5 +1,5 @@
-"""What tests share: model folders and the server process (from chatd.dev) and a from-scratch reference
-decoder (from benchmarks.quality), the same ones the benchmarks use; an in-process server for fault
+"""What tests share: model folders and the server process (from devtools) and a from-scratch reference
+decoder (devtools.reference), the same ones the benchmarks use; an in-process server for fault
 injection; a reader of a process's resources."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from pathlib import Path
 
 import uvicorn
 
-from benchmarks.quality import reference_greedy
 from chatd.config import Settings
 from chatd.core import Chatd
-from chatd.dev import CACHE_DIR, ROOT, LoopbackServer, ServerProcess, free_port, packaged_model_dir, tiny_model_dir
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
 from chatd.server.app import create_app
 from chatd.server.transport import WebSocketProtocol
+from devtools.models import CACHE_DIR, ROOT, packaged_model_dir, tiny_model_dir
+from devtools.reference import reference_greedy
+from devtools.servers import LoopbackServer, ServerProcess, free_port
 
 __all__ = ["CACHE_DIR", "ROOT", "InProcessServer", "ServerProcess", "free_port", "packaged_model_dir",
            "proc_resources", "reference_greedy", "tiny_model_dir"]

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from chatd import config
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
 from chatd.server.app import create_app
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from benchmarks.common import FIGURE_KEYS, PLANS, ROOT
+from chatd.engine.kernels.cpu import cpu_features
 
 pytestmark = pytest.mark.real_model
 
@@ -58,6 +59,7 @@ def test_quick_report_is_complete(quick_run: tuple[dict[str, Any], str, str]) ->
     assert report["failed"] == []
     machine = report["machine"]
     assert machine["cpu_model"] and machine["cpu_cores"] > 0 and machine["ram_bytes"] > 0
+    assert machine["cpu_features"] == cpu_features().describe()
     software = report["software"]
     for name in ("python", "torch", "transformers", "numpy", "zstandard", "chatd"):
         assert software[name], name

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from chatd.engine.cpu import ISA_ENV
+from chatd.engine.kernels.cpu import ISA_ENV
 from tests.support import ROOT, free_port, tiny_model_dir
 
 DOCKERFILE = ROOT / "Dockerfile"

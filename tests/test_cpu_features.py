@@ -1,4 +1,4 @@
-"""The CPU features the engine chooses its paths by, and CHATD_CPU_ISA's cap (chatd.engine.cpu)."""
+"""The CPU features the engine chooses its paths by, and CHATD_CPU_ISA's cap (chatd.engine.kernels.cpu)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from chatd.engine import cpu
-from chatd.engine.cpu import ISA_ENV, CpuFeatures, cpu_features, isa_cap, library_environment
-from chatd.engine.native import load_kernels
+from chatd.engine.kernels.cpu import ISA_ENV, CpuFeatures, cpu_features, isa_cap, library_environment
+from chatd.engine.kernels.loader import load_kernels
 from tests.support import ROOT
 
 # A CPU with everything the engine can use: AMX (Sapphire Rapids and later).
@@ -75,8 +75,9 @@ def test_capped_to_avx2_the_engine_builds_and_runs_the_avx2_kernels(tmp_path: Pa
     """In a fresh process with CHATD_CPU_ISA=avx2 the native kernels are the x86-64-v3 build whatever this CPU has
     beyond AVX2, the tile matmul is the AVX2 one, bf16 matmuls count as slow, and torch runs its AVX2 kernels."""
     code = ("import tests, json, sys, torch; from pathlib import Path; "
-            "from chatd.engine.native import load_kernels; from chatd.engine.llama import bf16_matmul_is_fast; "
-            "from chatd.engine.cpu import cpu_features; "
+            "from chatd.engine.kernels.loader import load_kernels; "
+            "from chatd.engine.model.weights import bf16_matmul_is_fast; "
+            "from chatd.engine.kernels.cpu import cpu_features; "
             f"k = load_kernels(Path({str(tmp_path)!r})); "
             "print(json.dumps([k.tile_matmul_kind, bf16_matmul_is_fast(), torch.backends.cpu.get_cpu_capability(), "
             "cpu_features().names]))")
@@ -90,7 +91,7 @@ def test_capped_to_avx2_the_engine_builds_and_runs_the_avx2_kernels(tmp_path: Pa
 
 
 def test_the_loaded_kernels_follow_the_features(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="chatd.engine.native"):
+    with caplog.at_level(logging.INFO, logger="chatd.engine.kernels.loader"):
         kernels = load_kernels(tmp_path)
     if kernels is None:
         pytest.fail("the test machine has a C compiler (make test installs one)")

@@ -1,4 +1,4 @@
-"""The decode step as fixed-shape graphs (chatd/engine/graphs.py).
+"""The decode step as fixed-shape graphs (chatd/engine/model/graphs.py).
 
 On every machine: the uncaptured fixed-shape step (padding rows, padded block tables, bucketed widths)
 against the eager forward, token for token, and the runner's routing. Where a CUDA device exists
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from chatd.config import ModelSettings
-from chatd.engine.graphs import DecodeGraphs, batch_buckets, width_buckets
-from chatd.engine.kvcache import SessionKV, any_layer_kv
-from chatd.engine.llama import LlamaForward
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.forward import LlamaForward
+from chatd.engine.model.graphs import DecodeGraphs, batch_buckets, width_buckets
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.pool.kvcache import SessionKV, any_layer_kv
 
 POOL_BYTES = 64 * 1024 * 1024
 PROMPT_LENGTHS = (7, 60, 131, 300)  # 300 positions span 19 blocks: past the narrowest width (16)

@@ -17,9 +17,9 @@ import torch
 
 from chatd.config import ModelSettings, Settings
 from chatd.core import Chatd
-from chatd.engine.kvcache import SessionKV
-from chatd.engine.native import load_kernels
-from chatd.engine.runner import ModelRunner
+from chatd.engine.kernels.loader import load_kernels
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.pool.kvcache import SessionKV
 from chatd.errors import ContextLengthExceeded
 from chatd.kv.snapshot import SnapshotInfo, read_info
 from chatd.protocol import GenerationParams, Usage

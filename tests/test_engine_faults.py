@@ -18,9 +18,10 @@ from fastapi.testclient import TestClient
 from chatd.config import GenerationSettings
 from chatd.core import Chatd
 from chatd.engine import worker as worker_module
-from chatd.engine.runner import ModelRunner
-from chatd.engine.sampling import SamplingError, SamplingParams, make_generator, sample
-from chatd.engine.worker import WIDE_STEP_ROWS, EngineWorker, GenerationResult
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.model.sampling import SamplingError, SamplingParams, make_generator, sample
+from chatd.engine.scheduler import WIDE_STEP_ROWS
+from chatd.engine.worker import EngineWorker, GenerationResult
 from chatd.errors import ChatdError, Internal
 from chatd.protocol import GenerationParams
 from chatd.server.app import create_app

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from chatd.config import GenerationSettings, ModelSettings
-from chatd.engine.kvcache import KVPool, any_layer_kv, appending
-from chatd.engine.runner import ModelRunner
-from chatd.engine.sampling import (
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.model.sampling import (
     NUCLEUS_CANDIDATES,
     SamplingError,
     SamplingParams,
@@ -22,10 +21,11 @@ from chatd.engine.sampling import (
     sample,
     sample_rows,
 )
+from chatd.engine.pool.kvcache import KVPool, any_layer_kv, appending
 from chatd.errors import ConfigError
 from chatd.kv import manager
-from chatd.kv.manager import common_prefix_len, longest_reusable, reusable_prefix
 from chatd.kv.policy import CacheRecord, CostModel, choose_victims, idle_victims, persist_candidates, prefer_restore
+from chatd.kv.prefix import common_prefix_len, longest_reusable, reusable_prefix
 from chatd.protocol import GenerationParams
 
 

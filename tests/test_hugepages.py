@@ -1,4 +1,4 @@
-"""Transparent huge pages under the engine's CPU tensors (chatd/engine/hugepages.py): the system's mode read
+"""Transparent huge pages under the engine's CPU tensors (chatd/engine/pool/hugepages.py): the system's mode read
 from sysfs; a fresh tensor advised before it is written, and one advised after, end up on huge pages where the
 system lends them on request (``madvise``, this project's machines); a loaded runner's weights and its KV
 pool do, and a runner told not to leaves its pool on small pages. A pool's pages are faulted in ahead of use
@@ -13,7 +13,8 @@ import torch
 
 from chatd.config import Settings
 from chatd.core import Chatd
-from chatd.engine.hugepages import (
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.pool.hugepages import (
     HUGE_PAGE,
     advise_huge_pages,
     huge_page_bytes,
@@ -21,7 +22,6 @@ from chatd.engine.hugepages import (
     release_pages,
     thp_mode,
 )
-from chatd.engine.runner import ModelRunner
 
 MODE = thp_mode()
 LENDS = MODE in ("always", "madvise")  # huge pages to a range that asks

@@ -12,16 +12,15 @@ from collections.abc import Sequence
 
 import pytest
 
-from chatd.engine.blocks import (
+from chatd.engine.pool.blocks import (
     BlockAllocator,
     BlockCopy,
     BlockPoolExhausted,
     BlockTable,
-    block_runs,
-    chain_hash,
     flatten_copies,
-    root_hash,
 )
+from chatd.engine.pool.free_blocks import block_runs
+from chatd.engine.pool.prefix_hash import chain_hash, root_hash
 
 BS = 4
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from chatd.config import Settings
 from chatd.core import Chatd
-from chatd.engine.blocks import block_runs
-from chatd.engine.kvcache import KVPool, SessionKV, any_layer_kv, attend
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.pool.free_blocks import block_runs
+from chatd.engine.pool.kvcache import KVPool, SessionKV, any_layer_kv, attend
 from chatd.kv import manager as manager_module
 from chatd.protocol import GenerationParams
 from chatd.turns import TurnResult

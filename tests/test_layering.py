@@ -71,10 +71,10 @@ def test_pure_core_modules_import_no_io_layers() -> None:
         assert not extra, f"chatd/{rel} imports {sorted(extra)}"
 
 
-def test_only_one_module_hands_work_to_the_engine_thread() -> None:
+def test_only_the_kv_layer_hands_work_to_the_engine_thread() -> None:
     callers = sorted(str(path.relative_to(PACKAGE.parent)) for path in modules_in()
                      if "worker.call(" in path.read_text() and path.name != "worker.py")
-    assert callers == ["chatd/kv/manager.py"]
+    assert callers == ["chatd/kv/manager.py", "chatd/kv/restore.py"]
 
 
 def test_loading_the_engine_and_kv_layers_loads_no_edge_module() -> None:
@@ -87,3 +87,59 @@ def test_loading_the_engine_and_kv_layers_loads_no_edge_module() -> None:
     assert "chatd.kv.manager" in loaded and "chatd.engine.worker" in loaded
     forbidden = ("chatd.protocol", "chatd.server", "chatd.store", "chatd.client")
     assert [name for name in loaded if any(_within(name, f) for f in forbidden)] == []
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    """The top-level names of every non-chatd, non-stdlib module ``path`` imports (functions included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return {name for name in found if name != "chatd" and name not in sys.stdlib_module_names}
+
+
+def _server_distributions() -> set[str]:
+    """Every distribution a ``pip install 'chatd[server,postgres]'`` brings, dependencies of dependencies included."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    def norm(name: str) -> str:
+        return name.lower().replace("_", "-").replace(".", "-")
+
+    seen: set[str] = set()
+    todo: list[tuple[str, frozenset[str]]] = [("chatd", frozenset({"server", "postgres"}))]
+    while todo:
+        name, extras = todo.pop()
+        if norm(name) in seen:
+            continue
+        seen.add(norm(name))
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            requirement = Requirement(line)
+            wanted = any(requirement.marker is None or requirement.marker.evaluate({"extra": extra})
+                         for extra in {"", *extras})
+            if wanted:
+                todo.append((requirement.name, frozenset(requirement.extras)))
+    return seen
+
+
+def test_the_package_imports_nothing_a_server_install_lacks() -> None:
+    """A server-only install (``chatd[server]``, with ``postgres``) has every third-party module chatd imports: no
+    test or benchmark tooling (httpx, tomli-w, pytest...) in the package. Those live in devtools/."""
+    from importlib import metadata
+
+    allowed = _server_distributions()
+    owners = metadata.packages_distributions()
+    offenders = {
+        f"{path.relative_to(PACKAGE.parent)} imports {name} ({', '.join(owners.get(name, ['not installed']))})"
+        for path in modules_in() for name in _third_party_imports(path)
+        if not any(dist.lower().replace("_", "-") in allowed for dist in owners.get(name, []))
+    }
+    assert "dev" not in {p.stem for p in modules_in()}
+    assert not offenders

@@ -11,29 +11,29 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from benchmarks.quality import CHAT_PROMPTS, teacher_forced_agreement
 from chatd.config import ModelSettings
-from chatd.engine import llama as llama_module
-from chatd.engine.llama import (
-    DenseLinear,
-    LlamaForward,
-    PackedBf16Linear,
-    bf16_matmul_is_fast,
-    takes_bf16,
-    weights_from_transformers,
-)
-from chatd.engine.quant import TileQ4Linear
-from chatd.engine.runner import (
+from chatd.engine.model import forward as forward_module
+from chatd.engine.model.choices import (
     BF16_TWIN_MIN_ROWS,
     FP32_TWIN_MIN_ROWS,
-    ModelRunner,
     bf16_linear,
     compact_forward,
     gguf_forward,
     resolve_kv_dtype,
     resolve_weights,
 )
+from chatd.engine.model.forward import LlamaForward
+from chatd.engine.model.quant import TileQ4Linear
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.model.weights import (
+    DenseLinear,
+    PackedBf16Linear,
+    bf16_matmul_is_fast,
+    takes_bf16,
+    weights_from_transformers,
+)
 from chatd.errors import ConfigError
+from devtools.reference import CHAT_PROMPTS, teacher_forced_agreement
 from tests.support import reference_greedy
 
 PROMPTS = [
@@ -251,13 +251,13 @@ def test_prompt_attention_in_bf16_stays_close_to_fp32(real_runner: ModelRunner,
     prompt = real_runner.tokenizer("The history of the printing press begins in Mainz. " * 24).input_ids
     assert len(prompt) > 2 * 64  # chunks longer than the native attention takes
     seen: list[torch.dtype] = []
-    original = llama_module.attend
+    original = forward_module.attend
 
     def recording(query: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         seen.append(query.dtype)
         return original(query, *args, **kwargs)
 
-    monkeypatch.setattr(llama_module, "attend", recording)
+    monkeypatch.setattr(forward_module, "attend", recording)
 
     def run(bf16: bool) -> list[torch.Tensor]:
         forward.bf16_attention = bf16

@@ -1,4 +1,4 @@
-"""The native kernels (chatd/engine/decode_attention.c, tile_matmul.c, step.c, planes.c): built once per machine
+"""The native kernels (chatd/engine/kernels/decode_attention.c, tile_matmul.c, step.c, planes.c): built once per machine
 and cached; decode attention equal to torch's over the same block tables, and used by the compact forward's decode
 steps with the same greedy tokens as without it; the element-wise steps equal to torch's; the Q4_1 and
 Q8_0 tile matmuls (AMX tiles, AVX512-VNNI and AVX2 vectors, each where the CPU has it) equal to their references:
@@ -20,12 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chatd.engine.cpu import cpu_features
-from chatd.engine.kvcache import KVPool, attend
-from chatd.engine.llama import NATIVE_ATTENTION_MAX_RUN
-from chatd.engine.native import NATIVE_ARCH, EngineKernels, build, load_kernels
-from chatd.engine.paged import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
-from chatd.engine.quant import (
+from chatd.engine.kernels.cpu import cpu_features
+from chatd.engine.kernels.loader import NATIVE_ARCH, EngineKernels, build, load_kernels
+from chatd.engine.model.choices import gguf_forward
+from chatd.engine.model.forward import NATIVE_ATTENTION_MAX_RUN
+from chatd.engine.model.quant import (
     TILE_KINDS,
     Q4_1Weight,
     Q8_0Weight,
@@ -37,11 +36,13 @@ from chatd.engine.quant import (
     pack_q8_quads,
     pack_q8_tiles,
 )
-from chatd.engine.runner import ModelRunner, gguf_forward
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.pool.kvcache import KVPool, attend
+from chatd.engine.pool.paged import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
 
 # The kernels for this CPU and, where it has AVX512, also built for x86-64-v3 (AVX2, FMA, F16C), which compiles
 # the AVX2 attention and element-wise paths a CPU without AVX512 runs (a Zen 3's, say) in their place.
-# (CHATD_CPU_ISA=avx2 makes the native build the x86-64-v3 one: chatd.engine.cpu.)
+# (CHATD_CPU_ISA=avx2 makes the native build the x86-64-v3 one: chatd.engine.kernels.cpu.)
 _HAS_AVX512 = cpu_features().x86 and cpu_features().avx512
 _ARCHES = [NATIVE_ARCH, *(["x86-64-v3"] if _HAS_AVX512 else [])]
 
@@ -70,7 +71,7 @@ def test_loading_the_kernel_leaves_the_process_arithmetic_alone(kernel: EngineKe
 def test_without_a_compiler_the_engine_keeps_torch_attention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="chatd.engine.native"):
+    with caplog.at_level(logging.WARNING, logger="chatd.engine.kernels.loader"):
         assert load_kernels(tmp_path / "cache") is None
     assert "native kernels unavailable" in caplog.text
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
@@ -94,7 +95,7 @@ def test_kernel_equals_torch_attention_over_scattered_blocks(kernel: EngineKerne
     torch.manual_seed(num_heads * 10 + num_kv_heads)
     head_dim, layers = 64, 2
     pool = KVPool.for_budget(16 << 20, layers, num_kv_heads, head_dim, kv_dtype, "cpu")
-    if pool.quantized:  # int8 rows: values and their scale (chatd.engine.paged.quantize_rows)
+    if pool.quantized:  # int8 rows: values and their scale (chatd.engine.pool.paged.quantize_rows)
         pool.tensors.kv.copy_(quantize_rows(torch.randn(*pool.tensors.kv.shape[:-1], head_dim) * 3))
     else:
         pool.tensors.kv.normal_()
@@ -302,7 +303,7 @@ def test_q4_steps_between_projections_run_natively_with_torchs_results(real_runn
     assert real_runner.forward is not None and real_runner.forward.kernels is not None
     # The torch int4 path with the bf16 dense twin, as a CPU with bf16 matmul units runs it where it has no
     # tile kernel (taken here on any CPU: the twin's products are the same, only slower without those units).
-    monkeypatch.setattr("chatd.engine.runner.bf16_matmul_is_fast", lambda: True)
+    monkeypatch.setattr("chatd.engine.model.runner.bf16_matmul_is_fast", lambda: True)
     forward = gguf_forward(torch.device("cpu"), real_runner.model)
     assert forward.bf16_projections
     runner = ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, forward)
@@ -621,7 +622,7 @@ def test_the_packaged_model_runs_its_q4_blocks_on_the_tile_kernel(real_runner: M
 def test_a_whole_step_in_one_native_call_equals_the_loop_over_layers(real_runner: ModelRunner, tile_kind: str,
                                                                     kv_dtype: torch.dtype) -> None:
     """With every projection on the tile kernel, a step whose runs all attend natively (decode tokens, prompt
-    chunks) runs as one native call (chatd/engine/step.c). It calls the same kernels in the same order, so its
+    chunks) runs as one native call (chatd/engine/kernels/step.c). It calls the same kernels in the same order, so its
     logits and the K/V it writes equal the Python loop's bit for bit; a chunk longer than the native attention
     takes (as on a CPU whose SDPA runs in bf16) keeps the loop."""
     kernels = real_runner.forward.kernels if real_runner.forward is not None else None

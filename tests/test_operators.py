@@ -31,7 +31,7 @@ from websockets.asyncio.client import connect
 from chatd.client import ChatClient
 from chatd.client.terminal import websocket_url
 from chatd.domain import CLOSE_TRY_AGAIN_LATER
-from chatd.engine.cpu import ISA_ENV
+from chatd.engine.kernels.cpu import ISA_ENV
 from chatd.server.gate import Readiness, conversion_progress
 from tests.support import ROOT, ServerProcess, free_port, tiny_model_dir
 
@@ -242,7 +242,7 @@ def test_conversion_progress_reports_percent() -> None:
     readiness = Readiness()
     seen: list[str] = []
     readiness.set_phase = lambda phase, quiet=False: seen.append(phase)  # type: ignore[method-assign]
-    runner_log = logging.getLogger("chatd.engine.runner")
+    runner_log = logging.getLogger("chatd.engine.model.runner")
     runner_log.setLevel(logging.INFO)  # as under the default log_level
     with conversion_progress(readiness):
         runner_log.info("converting %s to safetensors in %s (once)", "x.gguf", "folder")

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chatd.engine.blocks import BlockAllocator, flatten_copies
-from chatd.engine.paged import (
+from chatd.engine.pool.blocks import BlockAllocator, flatten_copies
+from chatd.engine.pool.paged import (
     PagedKVPool,
     block_table_tensor,
     paged_attention,

@@ -16,8 +16,8 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from chatd.engine.blocks import BlockAllocator, BlockCopy, BlockTable, flatten_copies
-from chatd.engine.paged import PagedKVPool, block_table_tensor, paged_attention, paged_prefill_attention
+from chatd.engine.pool.blocks import BlockAllocator, BlockCopy, BlockTable, flatten_copies
+from chatd.engine.pool.paged import PagedKVPool, block_table_tensor, paged_attention, paged_prefill_attention
 
 ATTN = "chatd_paged_test"
 BLOCK = 4

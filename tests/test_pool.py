@@ -9,7 +9,8 @@ from typing import Any, cast
 import pytest
 
 from chatd import pool as pool_module
-from chatd.kv.manager import KVManager, common_prefix_len
+from chatd.kv.manager import KVManager
+from chatd.kv.prefix import common_prefix_len
 from chatd.pool import PrefixPool
 
 

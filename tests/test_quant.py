@@ -1,4 +1,4 @@
-"""chatd.engine.quant on the packaged GGUF: the unpacked weights equal transformers' fp32 dequantization
+"""chatd.engine.model.quant on the packaged GGUF: the unpacked weights equal transformers' fp32 dequantization
 bit for bit, and the int4 kernel paths match ``x @ W^T`` in fp32 within bfloat16 rounding."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from chatd.engine import quant
-from chatd.engine.runner import PACKAGED_GGUF
-from chatd.engine.runner import packaged_model_dir as packaged_gguf_dir
+from chatd.engine.model.packaged import PACKAGED_GGUF
+from chatd.engine.model.packaged import packaged_model_dir as packaged_gguf_dir
 from tests import support
 
 LAYERS = (0, 17, 29)  # a few layers, not all 30: the tests stay quick

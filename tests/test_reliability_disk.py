@@ -27,7 +27,7 @@ from sqlalchemy.exc import OperationalError
 
 from chatd.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
 from tests.support import InProcessServer
 
 TMPFS_MB = 24

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 from websockets.asyncio.client import ClientConnection, connect
 
 from chatd.chat.template import ChatTemplate
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
 from chatd.store.models import unpack_token_ids
 from tests.support import ServerProcess, reference_greedy
 

@@ -19,7 +19,7 @@ import pytest
 
 from chatd.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
 from chatd.protocol import MessageDone
 from tests.support import InProcessServer
 

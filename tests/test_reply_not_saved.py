@@ -22,7 +22,7 @@ from chatd import turns as turns_module
 from chatd.client import ChatClient, ChatError
 from chatd.config import Settings
 from chatd.core import Chatd
-from chatd.engine.runner import ModelRunner
+from chatd.engine.model.runner import ModelRunner
 from chatd.errors import ReplyNotSaved
 from chatd.protocol import GenerationParams
 from chatd.store.repo import Repo

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from chatd.engine.native import EngineKernels, load_kernels
-from chatd.engine.paged import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
+from chatd.engine.kernels.loader import EngineKernels, load_kernels
+from chatd.engine.pool.paged import INT8_SCALE_BYTES, dequantize_rows, quantize_rows
 from chatd.errors import (
     SnapshotCorrupt,
     SnapshotError,
@@ -125,7 +125,7 @@ def test_round_trip_is_bit_exact(dtype: str, num_tokens: int, version: int) -> N
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("num_tokens", [1, 301])
 def test_an_int8_cache_round_trips_its_rows_and_scales_exactly(num_tokens: int, version: int) -> None:
-    # An int8 cache's positions are rows of head_dim values and their fp32 scale's bytes (chatd.engine.paged):
+    # An int8 cache's positions are rows of head_dim values and their fp32 scale's bytes (chatd.engine.pool.paged):
     # the fingerprint's head_dim is that width, and every byte (NaN scale bits too) comes back as it was.
     wide = fingerprint("float32", num_layers=6)
     fp = dataclasses.replace(wide, dtype="int8", head_dim=wide.head_dim + INT8_SCALE_BYTES)

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
 import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -36,9 +34,10 @@ import torch
 
 from chatd.chat.stream import IncrementalDetokenizer, StopMatcher
 from chatd.domain import FinishReason
-from chatd.engine.kvcache import SessionKV
-from chatd.engine.runner import ModelRunner
-from chatd.engine.sampling import SamplingParams, make_generator, sample, sample_rows
+from chatd.engine.model.runner import ModelRunner
+from chatd.engine.model.sampling import SamplingParams, make_generator, sample, sample_rows
+from chatd.engine.pool.kvcache import SessionKV
+from chatd.engine.scheduler import Scheduler
 from chatd.errors import Internal
 from chatd.stats import Counters
 
@@ -150,13 +149,6 @@ _STOP = object()
 # that sessions starting together prefill in one step rather than one step apart (each step of 16
 # decoding sessions is ~40 ms on 2 CPU cores; the job follows its cache within a few ms).
 JOB_WAIT_S = 0.01
-# A step with a prompt chunk and at least this many rows in all runs on the prefill thread count.
-WIDE_STEP_ROWS = 8
-# A prompt whose rest exceeds what is left of a step's prompt budget by at most this fraction of
-# prefill_chunk_tokens goes in whole, rather than leaving a few tokens for the next step: its first token then
-# comes a whole step sooner, for a step at most this much longer. Sixteen new sessions' short prompts (262
-# tokens against a budget of 256, measured with figure 6's prompts) all start in one step.
-PREFILL_SLACK = 1 / 8
 
 
 class EngineWorker:
@@ -170,8 +162,8 @@ class EngineWorker:
         # The event loop encodes with runner.tokenizer while this thread decodes; a fast tokenizer is
         # one Rust object that must not be borrowed from two threads at once, so decode with a copy.
         self.tokenizer = copy.deepcopy(runner.tokenizer)
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.max_batch_size = max_batch_size
+        self.scheduler: Scheduler[_Job] = Scheduler(prefill_chunk_tokens=prefill_chunk_tokens,
+                                                    max_batch_size=max_batch_size)
         self.prefill_threads = torch.get_num_threads()
         self.decode_threads = decode_threads or self.prefill_threads
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -180,8 +172,6 @@ class EngineWorker:
         self._courier_queue: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, Callable[..., object],
                                                      tuple[object, ...]] | None] = queue.SimpleQueue()
         self._courier: threading.Thread | None = None
-        self._prefilling: deque[_Job] = deque()
-        self._decoding: deque[_Job] = deque()
         # Events the worker thread emitted since its last flush, in order, with their loop and queue: sent
         # to each loop in one call after every step (``_flush``).
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
@@ -221,7 +211,7 @@ class EngineWorker:
 
     @property
     def num_active(self) -> int:
-        return len(self._prefilling) + len(self._decoding)
+        return len(self.scheduler)
 
     def _wake(self) -> None:
         self._inbox.put(None)
@@ -302,10 +292,8 @@ class EngineWorker:
             # the worker itself. Fail every job and call, now and later, instead of leaving them hanging.
             log.critical("the engine thread died; every generation fails from now on", exc_info=exc)
             self.failure = exc
-            for job in [*self._prefilling, *self._decoding]:
+            for job in self.scheduler.clear():
                 job.emit(GenerationFailed(Internal("the engine stopped")))
-            self._prefilling.clear()
-            self._decoding.clear()
             self._drain_dead_inbox()
             self._flush()
 
@@ -324,7 +312,7 @@ class EngineWorker:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
-            busy = bool(self._prefilling or self._decoding)
+            busy = len(self.scheduler) > 0
             try:
                 item = self._inbox.get(block=not busy)
             except queue.Empty:
@@ -333,13 +321,13 @@ class EngineWorker:
             deadline = 0.0
             while True:
                 if item is _STOP:
-                    for job in [*self._prefilling, *self._decoding]:
+                    for job in self.scheduler:
                         job.cancelled = True
                     self._reap_cancelled()
                     self._flush()
                     return
                 if isinstance(item, _Job):
-                    self._prefilling.append(item)
+                    self.scheduler.add(item)
                     awaited = max(awaited - 1, 0)
                 elif isinstance(item, _Call):
                     if self._run_call(item) and item.then_job:
@@ -392,66 +380,42 @@ class EngineWorker:
         return True
 
     def _reap_cancelled(self) -> None:
-        for jobs in (self._prefilling, self._decoding):
-            for job in [j for j in jobs if j.cancelled]:
-                jobs.remove(job)
-                self._finish(job, "cancelled")
+        for job in self.scheduler.take(lambda job: job.cancelled):
+            self._finish(job, "cancelled")
 
     def _step(self) -> None:
-        """One forward pass over every decoding session's next token (up to ``max_batch_size``) and as many
-        waiting prompt tokens as fit in ``prefill_chunk_tokens`` (a prompt that would leave no more than
-        PREFILL_SLACK of it for the next step finishes in this one), packed together: a long prompt is split
-        over several steps while the other sessions keep streaming, and the short prompts of many new
-        sessions start in the same pass instead of queueing one forward each."""
-        decoding = list(itertools.islice(self._decoding, self.max_batch_size))
-        if len(self._decoding) > len(decoding):
-            self._decoding.rotate(-len(decoding))
-        budget = self.prefill_chunk_tokens
-        slack = int(self.prefill_chunk_tokens * PREFILL_SLACK)
-        prefilling: list[tuple[_Job, list[int]]] = []
-        for job in self._prefilling:
-            if budget <= 0:
-                break
-            rest = len(job.prefill_ids) - job.prefill_pos
-            chunk = job.prefill_ids[job.prefill_pos : job.prefill_pos + (rest if rest <= budget + slack else budget)]
-            prefilling.append((job, chunk))
-            budget -= len(chunk)
-        if not decoding and not prefilling:
+        """One forward pass over the step the scheduler plans (:meth:`Scheduler.schedule`), then the sampling of
+        every row whose run ended a prompt or fed a decode token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
             return
-        tokens = [job.pending for job in decoding if job.pending is not None]
-        assert len(tokens) == len(decoding), "every decoding job has a sampled token to feed"
-        jobs = decoding + [job for job, _ in prefilling]
-        runs = [[token] for token in tokens] + [chunk for _, chunk in prefilling]
-        wide = len(runs) > len(decoding) and sum(map(len, runs)) >= WIDE_STEP_ROWS  # a prompt chunk in it
-        self._use_threads(self.prefill_threads if wide else self.decode_threads)
+        jobs = batch.jobs
+        self._use_threads(self.prefill_threads if batch.wide else self.decode_threads)
         try:
-            logits = self.runner.step([job.cache for job in jobs], runs)
+            logits = self.runner.step([job.cache for job in jobs], batch.runs)
         except Exception as exc:
             for job in jobs:
-                (self._decoding if job in decoding else self._prefilling).remove(job)
+                self.scheduler.remove(job)
                 self._fail(job, exc)
             return
+        decoding = batch.decoding
         if decoding:
             self.counters.num_engine_decode_steps += 1
             self.counters.num_engine_decode_tokens += len(decoding)
         for job in decoding:
             job.pending = None
         sampled: list[tuple[int, _Job]] = list(enumerate(decoding))
-        for row, (job, chunk) in enumerate(prefilling, start=len(decoding)):
+        for row, (job, chunk) in enumerate(batch.prefilling, start=len(decoding)):
             self.counters.num_engine_prefill_tokens += len(chunk)
-            job.prefill_pos += len(chunk)
-            self._prefilling.remove(job)
-            if job.prefill_pos < len(job.prefill_ids):
-                self._prefilling.append(job)  # round robin: the rest of a long prompt waits its turn
-                continue
-            job.prefill_done_at = time.monotonic()
-            sampled.append((row, job))
+            if self.scheduler.prefilled(job, len(chunk)):
+                job.prefill_done_at = time.monotonic()
+                sampled.append((row, job))
         picks = self._sample(logits, sampled)
         for (row, job), pick in zip(sampled, picks, strict=True):
             was_decoding = row < len(decoding)
             if self._accept_pick(job, pick) != was_decoding:
                 # A decoding job that finished leaves the batch; a prompt that finished joins it.
-                (self._decoding.remove if was_decoding else self._decoding.append)(job)
+                (self.scheduler.remove if was_decoding else self.scheduler.start_decoding)(job)
 
     @staticmethod
     def _use_threads(num_threads: int) -> None:

@@ -17,19 +17,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-import torch
-
 from chatd.config import CacheSettings
-from chatd.domain import Tier
-from chatd.engine.kvcache import SessionKV
-from chatd.engine.runner import ModelInfo
-from chatd.errors import ContextLengthExceeded, SnapshotError
+from chatd.domain import ContextSource, Tier, context_source
+from chatd.engine.model.runner import ModelInfo
+from chatd.engine.pool.kvcache import SessionKV
+from chatd.errors import ContextLengthExceeded
 from chatd.kv import policy
-from chatd.kv.persistence import SnapshotService, finish_restore, restore_targets
+from chatd.kv.persistence import SnapshotService
+from chatd.kv.prefix import longest_reusable, reusable_prefix
+from chatd.kv.restore import CacheRestorer
 from chatd.stats import Counters, EvictionReason
 from chatd.tasks import TaskSet
 
@@ -45,53 +45,6 @@ SPARE_TOKENS = 64
 ROOM_WAIT_S = 120.0
 # A turn waiting for room looks again at least this often, should a wake-up go missing.
 ROOM_RECHECK_S = 5.0
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int]) -> int:
-    """How many cached positions a prompt can reuse: the longest common prefix, but always leaving at
-    least one prompt token to prefill (its logits start the reply)."""
-    return min(common_prefix_len(cached_ids, prompt_ids), max(len(prompt_ids) - 1, 0))
-
-
-def agrees_at(cached_ids: Sequence[int], prompt_ids: Sequence[int], need: int) -> bool:
-    """Whether both hold ``need`` ids and agree at the last of them (true for ``need`` <= 0): what a cache
-    must do to share ``need`` or more positions with the prompt. One lookup, so a search over many caches
-    compares whole prefixes only where it holds (:func:`longest_reusable`, chatd.pool.PrefixPool.choose)."""
-    if need <= 0:
-        return True
-    return min(len(cached_ids), len(prompt_ids)) >= need and cached_ids[need - 1] == prompt_ids[need - 1]
-
-
-def longest_reusable(candidates: Iterable[tuple[T, Sequence[int]]], prompt_ids: Sequence[int],
-                     min_tokens: int) -> tuple[T | None, int]:
-    """Of ``candidates`` (key, cached ids), the first whose ``reusable_prefix`` with the prompt is the
-    longest, if that is at least ``min_tokens``: (key, its length), else (None, 0).
-
-    Only a candidate that agrees with the prompt at the position just past the best length so far can
-    beat it, so that one id is looked at first and the whole prefix compared only where it agrees. Where
-    many sessions share a long system prompt and then diverge, a search costs one full comparison and a
-    lookup per other session, where comparing each whole prefix cost its length each (the turn start of
-    a new session, on the event loop, grew with the resident sessions times the prompt)."""
-    limit = max(len(prompt_ids) - 1, 0)  # reusable_prefix never exceeds it
-    best: T | None = None
-    best_len = min_tokens - 1
-    for key, ids in candidates:
-        if best_len >= limit:
-            break  # nothing can beat it
-        if not agrees_at(ids, prompt_ids, best_len + 1):
-            continue
-        shared = reusable_prefix(ids, prompt_ids)
-        if shared > best_len:
-            best, best_len = key, shared
-    return (best, best_len) if best is not None else (None, 0)
 
 
 @dataclass
@@ -118,8 +71,17 @@ class Lease:
     cache: SessionKV
     prompt_ids: tuple[int, ...]
     num_cached: int
-    tier: Tier
+    source: ContextSource
+    """Where the ``num_cached`` reused positions came from."""
     restore_ms: float | None
+
+    @classmethod
+    def of(cls, session_id: str, cache: SessionKV, prompt_ids: tuple[int, ...], num_cached: int, *,
+           restore_ms: float | None = None) -> Lease:
+        """A lease of ``num_cached`` reused positions; ``restore_ms``: they were read back from a snapshot (in
+        that many ms), for this turn or ahead of it (resume)."""
+        source = context_source(num_cached, restored=restore_ms is not None)
+        return cls(session_id, cache, prompt_ids, num_cached, source, restore_ms)
 
     @property
     def prefill_ids(self) -> tuple[int, ...]:
@@ -140,6 +102,7 @@ class KVManager:
         self.budget_bytes = self.pool.num_bytes
         self.bytes_per_token = self.pool.bytes_per_token
         self.counters = counters if counters is not None else Counters()
+        self.restorer = CacheRestorer(worker, snapshots, self.counters) if snapshots is not None else None
         self._entries: dict[str, _Entry] = {}
         # Sessions whose new cache the engine is making (no entry yet).
         self._arriving: set[str] = set()
@@ -253,8 +216,8 @@ class KVManager:
             raise
         restored_ms, entry.restored_ms = entry.restored_ms, None
         if restored_ms is not None and reuse:
-            return Lease(session_id, cache, prompt, reuse, "disk", restored_ms)
-        return Lease(session_id, cache, prompt, reuse, "device" if reuse else "none", None)
+            return Lease.of(session_id, cache, prompt, reuse, restore_ms=restored_ms)
+        return Lease.of(session_id, cache, prompt, reuse)
 
     async def _start_cold(self, session_id: str, prompt: tuple[int, ...], capacity: int, *,
                           ephemeral: bool = False) -> Lease | asyncio.Future[tuple[SessionKV, int]]:
@@ -314,7 +277,7 @@ class KVManager:
             self.counters.num_prefix_shared_tokens += shared
         self._entries[session_id] = _Entry(session_id, cache, list(prompt[:shared]), self.clock(), busy=True,
                                            ephemeral=ephemeral)
-        return Lease(session_id, cache, prompt, shared, "device" if shared else "none", None)
+        return Lease.of(session_id, cache, prompt, shared)
 
     def _free_unclaimed(self, started: asyncio.Future[tuple[SessionKV, int]]) -> None:
         if not started.cancelled() and started.exception() is None:
@@ -484,17 +447,10 @@ class KVManager:
         return entry.io
 
     async def _persist(self, entry: _Entry) -> bool:
-        assert self.snapshots is not None
+        assert self.restorer is not None
         ids = list(entry.cached_ids)
-        cache = entry.cache
-        layers = await self.worker.call(lambda: export_layers(cache))
-        try:
-            await self.snapshots.save(entry.session_id, ids, layers)
-        except (OSError, SnapshotError) as exc:
-            self.counters.num_snapshot_write_failures += 1
-            log.warning("snapshot of session %s failed, it stays in memory: %s", entry.session_id[:8], exc)
+        if not await self.restorer.write(entry.session_id, entry.cache, ids):
             return False
-        self.counters.num_snapshot_writes += 1
         entry.persisted = entry.cached_ids == ids
         return True
 
@@ -504,66 +460,32 @@ class KVManager:
         positions). None when there is no usable snapshot or recomputing is estimated cheaper."""
         from_disk = session_id in self._to_disk  # an operator evicted it: the snapshot, not the pool
         self._to_disk.discard(session_id)
-        if self.snapshots is None:
-            return None
-        record = await self.snapshots.record(session_id)
-        if record is None:
-            return None
-        if not policy.prefer_restore(num_tokens=record.num_tokens, file_bytes=record.file_bytes,
-                                     cost=self.snapshots.cost, min_tokens=self.settings.restore_min_tokens):
+        restorer = self.restorer
+        if restorer is None:
             return None
         started = self.clock()
-        try:
-            snapshot_ids = await self.snapshots.read_ids(session_id)
-        except (OSError, SnapshotError) as exc:
-            log.warning("snapshot of session %s unusable, recomputing: %s", session_id[:8], exc)
-            self.counters.num_restore_failures += 1
-            await self.snapshots.delete(session_id)
+        found = await restorer.find(session_id, prompt, min_tokens=self.settings.restore_min_tokens,
+                                    reuse_limit=reuse_limit)
+        if found is None:
             return None
-        reuse = min(common_prefix_len(snapshot_ids, prompt), reuse_limit)
-        if reuse < max(self.settings.restore_min_tokens, 1):
-            return None
-        need = max(capacity, len(snapshot_ids))
+        need = max(capacity, len(found.snapshot_ids))
         await self._make_room(need * self.bytes_per_token, protect=())
         if self.settings.share_prefixes and not from_disk:
-            # An idle eviction leaves the session's blocks in the pool, findable by their tokens, until their
-            # room is needed: when they still hold the snapshot's prefix (all but a partly filled last
-            # block), the cache is made from them and nothing is read.
-            pooled = await self.worker.call(lambda: _adopt_if_pooled(self.worker, snapshot_ids[:reuse], capacity))
+            pooled = await restorer.from_pool(found, capacity)
             if pooled is not None:
                 cache, length = pooled
-                self._entries[session_id] = _Entry(session_id, cache, list(snapshot_ids[:length]), self.clock(),
+                self._entries[session_id] = _Entry(session_id, cache, list(found.snapshot_ids[:length]), self.clock(),
                                                    busy=True)
-                self.counters.num_resumes_from_pool += 1
-                self.counters.num_prefix_shared_tokens += length
-                return Lease(session_id, cache, prompt, length, "device", None)
-        cache = await self.worker.call(lambda: _new_reserved(self.worker, need))
+                return Lease.of(session_id, cache, prompt, length)
+        cache = await restorer.new_cache(need)
         entry = _Entry(session_id, cache, [], self.clock(), busy=True)
         self._entries[session_id] = entry
-        snapshots = self.snapshots
-        try:
-            read_started = time.monotonic()
-            targets = await self.worker.call(lambda: restore_targets(cache, snapshot_ids, snapshots.fingerprint))
-            file_bytes = await snapshots.read_into(session_id, snapshot_ids, targets)
-            await self.worker.call(lambda: finish_restore(cache, targets))
-            snapshots.observe_restore(file_bytes, time.monotonic() - read_started)
-        except (OSError, SnapshotError) as exc:
-            log.warning("restore of session %s failed, recomputing: %s", session_id[:8], exc)
-            self.counters.num_restore_failures += 1
-            await self.snapshots.delete(session_id)
-            entry.cached_ids = []
-
-            def empty() -> None:
-                cache.abort()
-                cache.truncate(0)
-
-            await self.worker.call(empty)
-            return Lease(session_id, cache, prompt, 0, "none", None)
-        await self.worker.call(lambda: cache.truncate(reuse))
-        entry.cached_ids = list(snapshot_ids[:reuse])
+        if not await restorer.from_file(session_id, found, cache):
+            return Lease.of(session_id, cache, prompt, 0)
+        entry.cached_ids = list(found.snapshot_ids[:found.reuse])
         elapsed = self.clock() - started
         self.counters.count_restore(elapsed)
-        return Lease(session_id, cache, prompt, reuse, "disk", round(elapsed * 1000, 2))
+        return Lease.of(session_id, cache, prompt, found.reuse, restore_ms=round(elapsed * 1000, 2))
 
     # ------------------------------------------------------------------ operator actions
 
@@ -664,38 +586,3 @@ class KVManager:
 
 async def _resolved(value: bool) -> bool:
     return value
-
-
-def _adopt_if_pooled(worker: EngineWorker, token_ids: Sequence[int], capacity: int) -> tuple[SessionKV, int] | None:
-    """Engine thread. A new cache made of the pool's registered blocks for ``token_ids`` and reserved to
-    ``capacity``, with how many positions it holds, when the pool holds every full block of them; else
-    None, and nothing changes."""
-    allocator = worker.runner.pool.allocator
-    full = len(token_ids) // allocator.block_size * allocator.block_size
-    if full == 0 or allocator.cached_prefix_len(token_ids) < full:
-        return None
-    cache = worker.runner.new_cache()
-    try:
-        length = cache.adopt_cached_prefix(token_ids, len(token_ids))
-        cache.reserve(capacity)
-    except BaseException:
-        cache.free()
-        raise
-    return cache, length
-
-
-def _new_reserved(worker: EngineWorker, capacity: int) -> SessionKV:
-    cache = worker.runner.new_cache()
-    cache.reserve(capacity)
-    return cache
-
-
-def export_layers(cache: SessionKV) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer ``[kv_heads, length, head_dim]`` K/V for a snapshot, on the CPU. Worker thread only.
-
-    On the CPU these are views of the live buffers (no copy): the manager guarantees nothing writes
-    below ``length`` while the snapshot I/O runs. On an accelerator they are host copies."""
-    layers = cache.filled_layers()
-    if cache.device.type == "cpu":
-        return list(layers)
-    return [(k.to("cpu"), v.to("cpu")) for k, v in layers]

@@ -26,9 +26,9 @@ import torch
 
 from chatd.config import CacheSettings
 from chatd.domain import SnapshotRecord
-from chatd.engine.kvcache import SessionKV
-from chatd.engine.paged import row_width
-from chatd.engine.runner import ModelInfo
+from chatd.engine.model.runner import ModelInfo
+from chatd.engine.pool.kvcache import SessionKV
+from chatd.engine.pool.paged import row_width
 from chatd.engine.threads import confine_to_one_thread
 from chatd.errors import SnapshotModelMismatch
 from chatd.kv import policy
@@ -63,7 +63,7 @@ class SnapshotIndex(Protocol):
 
 
 def fingerprint_of(info: ModelInfo) -> ModelFingerprint:
-    # head_dim: the width of a stored position (an int8 cache's rows carry their scale, chatd.engine.paged)
+    # head_dim: the width of a stored position (an int8 cache's rows carry their scale, chatd.engine.pool.paged)
     return ModelFingerprint(model_id=info.name, weights_hash=info.weights_hash, dtype=info.dtype_name,
                             num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
                             head_dim=row_width(info.dtype, info.head_dim))

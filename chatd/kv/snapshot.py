@@ -57,7 +57,7 @@ MAX_TEXT_BYTES = 0xFFFF
 FAST_LEVEL = -3
 
 # On-disk dtype codes; values are part of the format and never reused.
-# int8: a quantised cache's rows, each head_dim values and their fp32 scale's 4 bytes (chatd.engine.paged); its
+# int8: a quantised cache's rows, each head_dim values and their fp32 scale's 4 bytes (chatd.engine.pool.paged); its
 # fingerprint's head_dim is that row width.
 _DTYPE_CODES: dict[str, int] = {"float32": 1, "bfloat16": 2, "float16": 3, "int8": 4}
 _CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}

@@ -96,7 +96,7 @@ def _plane_columns(element_size: int) -> range:
 
 
 class PlaneKernels(Protocol):
-    """Native byte-plane joins and splits (``chatd.engine.native.EngineKernels`` is one): one pass over memory
+    """Native byte-plane joins and splits (``chatd.engine.kernels.loader.EngineKernels`` is one): one pass over memory
     where numpy takes several. Both take uint8 planes ``[E, n]`` (plane 0 the most significant byte) and the
     elements' bytes ``[n, E]``, contiguous, for E of 2 or 4."""
 

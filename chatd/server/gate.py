@@ -127,7 +127,7 @@ def conversion_progress(readiness: Readiness) -> Iterator[None]:
                 readiness.set_phase("loading model")
             return True
 
-    runner_log = logging.getLogger("chatd.engine.runner")
+    runner_log = logging.getLogger("chatd.engine.model.runner")
     marker = RunnerMessages()
     runner_log.addFilter(marker)
     gguf_utils.tqdm = counting

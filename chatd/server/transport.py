@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+log = logging.getLogger(__name__)
 
 SEND_BUFFER_BYTES = 64 * 1024
 """``SO_SNDBUF`` of every websocket connection (Linux doubles it for bookkeeping). Token frames are ~100 bytes,
@@ -36,9 +39,31 @@ def limit_send_buffer(transport: asyncio.BaseTransport, size: int = SEND_BUFFER_
 
 class WebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O ``websockets`` protocol (``ws="websockets-sansio"``) with :func:`limit_send_buffer`
-    applied when the connection upgrades."""
+    applied when the connection upgrades, and one edge for a peer that breaks the protocol: the connection is closed
+    with the code RFC 6455 gives (1002 for a malformed frame, 1007 for a text frame that is not UTF-8, 1009 for one
+    over the size limit) and one warning line is logged, never a traceback (a client must not be able to fill the
+    log with stack traces)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         limit_send_buffer(transport)
         transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
         super().connection_made(transport)
+
+    def send_receive_event_to_app(self) -> None:
+        if self.curr_msg_data_type == "text" and not self.close_sent:
+            try:
+                b"".join(self.frames).decode()
+            except UnicodeDecodeError:
+                self.frames = []
+                self.conn.send_close(1007, "invalid UTF-8")
+                self.handle_parser_exception()
+                return
+        super().send_receive_event_to_app()
+
+    def handle_parser_exception(self) -> None:
+        close = self.conn.close_sent
+        cause = self.conn.parser_exc
+        log.warning("closing a websocket connection that broke the protocol (%s%s)",
+                    f"{close.code} {close.reason}".strip() if close is not None else "no close frame",
+                    f": {cause}" if cause is not None else "")
+        super().handle_parser_exception()

@@ -1,4 +1,4 @@
-/* A whole forward step of the q4 model in one call (chatd/engine/llama.py's LlamaForward.step takes it when
+/* A whole forward step of the q4 model in one call (chatd/engine/model/forward.py's LlamaForward.step takes it when
  * every projection is on the tile kernel and every run attends through the native kernel: decode steps and
  * short prompt chunks).
  *

@@ -30,15 +30,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chatd.engine.cpu import cpu_features
-from chatd.engine.paged import INT8_SCALE_BYTES
+from chatd.engine.kernels.cpu import cpu_features
+from chatd.engine.pool.paged import INT8_SCALE_BYTES
 
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "tile_matmul.c", "step.c",
                                                                     "planes.c"))
 # The pool dtypes the attention and the K/V write take, and their kv_type codes (decode_attention.c); an int8
-# pool's positions are rows of head_dim values and their fp32 scale (chatd.engine.paged.quantize_rows).
+# pool's positions are rows of head_dim values and their fp32 scale (chatd.engine.pool.paged.quantize_rows).
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # chatd_q4_matmul_kind()'s answers
 _TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx", 3: "avx2"}
@@ -46,7 +46,7 @@ _TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx", 3: "a
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
-# The instruction set compiled for: this very CPU, as the engine sees it (chatd.engine.cpu: CHATD_CPU_ISA=avx2
+# The instruction set compiled for: this very CPU, as the engine sees it (chatd.engine.kernels.cpu: CHATD_CPU_ISA=avx2
 # builds for x86-64-v3). The tests also build for x86-64-v3 (AVX2, FMA, F16C: a CPU without AVX512, such as
 # AMD's Zen 3) to run the AVX2 kernels on a machine that has AVX512 too.
 NATIVE_ARCH = "native"
@@ -176,7 +176,7 @@ class EngineKernels:
         half-split convention), and copy each row's K and V heads into this layer's pool ``keys`` / ``values``
         (``[kv_heads, num_blocks, block_size, head_dim]``, fp32, or bf16: rounded to nearest even) at ``slots``
         (int64 ``[rows]``). Bit for bit what the torch path computes. An int8 pool's rows
-        (``[..., head_dim + 4]``) are quantised as :func:`chatd.engine.paged.quantize_rows` does."""
+        (``[..., head_dim + 4]``) are quantised as :func:`chatd.engine.pool.paged.quantize_rows` does."""
         num_kv_heads, num_blocks, block_size, row = keys.shape
         head_dim = _head_dim(keys)
         if not (qkv.dtype == cos.dtype == sin.dtype == torch.float32 and keys.dtype == values.dtype in _KV_TYPES
@@ -250,7 +250,7 @@ class EngineKernels:
 
     def tile_matmul(self, x: torch.Tensor, tiles: torch.Tensor, n: int, *, q8: bool = False) -> torch.Tensor:
         """bf16 ``x`` ``[M, K]`` (contiguous) times a Q4_1 weight ``[n, K]`` (a Q8_0 one where ``q8``) packed for
-        the kernel in effect (:func:`chatd.engine.quant.pack_for` with :attr:`tile_matmul_kind`), as a new bf16
+        the kernel in effect (:func:`chatd.engine.model.quant.pack_for` with :attr:`tile_matmul_kind`), as a new bf16
         ``[M, n]``. Only where :attr:`tile_matmul_kind` is set."""
         m, k = x.shape
         kind = self.tile_matmul_kind

@@ -2,7 +2,7 @@
 
 The pool is one preallocated tensor holding every layer's K and V for ``num_blocks`` blocks of
 ``block_size`` token positions. Which block holds which sequence's tokens is decided elsewhere
-(:mod:`chatd.engine.blocks`); here a sequence is just a row of a block table (block ids, padded) and a
+(:mod:`chatd.engine.pool.blocks`); here a sequence is just a row of a block table (block ids, padded) and a
 context length, and a token position is a slot ``block_id * block_size + offset``.
 
 Layout, heads outermost within a layer::

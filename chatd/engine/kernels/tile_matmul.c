@@ -1,5 +1,5 @@
 /* chatd's weight-stationary Q4_1 and Q8_0 matmuls for the CPU's AMX tiles, its AVX512-VNNI vector units or,
- * where it has neither, AVX2 (chatd/engine/native.py builds and loads this file next to decode_attention.c; chatd/engine/quant.py's
+ * where it has neither, AVX2 (chatd/engine/kernels/loader.py builds and loads this file next to decode_attention.c; chatd/engine/model/quant.py's
  * TileQ4Linear and TileQ8Linear pack the weights).
  *
  * y[M, N] = x[M, K] @ W^T for bf16 x and y and a Q4_1 weight W (per block of 32 inputs: w = d * q + m,
@@ -737,7 +737,7 @@ static int matmul_kind = -1;
 #define AMX_MIN_ROWS 16
 static int amx_min_rows = AMX_MIN_ROWS;
 
-/* The kinds' codes (chatd/engine/native.py names them). */
+/* The kinds' codes (chatd/engine/kernels/loader.py names them). */
 #define KIND_NONE 0
 #define KIND_VNNI 1
 #define KIND_AMX 2

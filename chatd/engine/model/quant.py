@@ -209,7 +209,7 @@ class Int4Linear(torch.nn.Module):
 
 
 def pack_q4_tiles(weight: Q4_1Weight) -> torch.Tensor:
-    """A Q4_1 ``[N, K]`` weight in the AMX tile kernel's layout (``chatd/engine/tile_matmul.c``): uint8
+    """A Q4_1 ``[N, K]`` weight in the AMX tile kernel's layout (``chatd/engine/kernels/tile_matmul.c``): uint8
     ``[N / 16, K / 32, 320]``, per tile of 16 outputs by 32 inputs the 512 quants in AMX's pairwise
     order, two per byte, then the 16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
     n, k = weight.shape
@@ -274,7 +274,7 @@ def pack_q8_tiles(weight: Q8_0Weight) -> torch.Tensor:
 
 
 def pack_q4_quads(weight: Q4_1Weight) -> torch.Tensor:
-    """A Q4_1 ``[N, K]`` weight in the vector tile kernel's layout (AVX512-VNNI, ``chatd/engine/tile_matmul.c``):
+    """A Q4_1 ``[N, K]`` weight in the vector tile kernel's layout (AVX512-VNNI, ``chatd/engine/kernels/tile_matmul.c``):
     uint8 ``[N / 16, K / 32, 320]``; per tile of 16 outputs by 32 inputs, 4 vectors of 64 bytes (vector v: quad
     row v in the low nibbles, quad row v + 4 in the high ones, output n's 4 quants at bytes 4n..4n+3), then the
     16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
@@ -305,7 +305,7 @@ def pack_q8_quads(weight: Q8_0Weight) -> torch.Tensor:
 def pack_for(kind: str, weight: Q4_1Weight | Q8_0Weight) -> torch.Tensor:
     """``weight`` in the layout the tile kernel ``kind`` (:attr:`EngineKernels.tile_matmul_kind`) reads: the
     vector kernels' ``[N / 16, K / 32, tile bytes]`` (AVX512-VNNI's and AVX2's); under AMX ``[2, ...]``, the AMX
-    tiles and then the vector kernel's, which takes the calls of few rows (``chatd/engine/tile_matmul.c``)."""
+    tiles and then the vector kernel's, which takes the calls of few rows (``chatd/engine/kernels/tile_matmul.c``)."""
     if kind not in TILE_KINDS:
         raise ValueError(f"no tile kernel {kind!r}")
     quads = pack_q8_quads(weight) if isinstance(weight, Q8_0Weight) else pack_q4_quads(weight)
@@ -501,7 +501,7 @@ def read_layer(reader: gguf.GGUFReader, dims: LlamaDims, index: int,
 
 def load_gguf_weights(path: str | Path, lm_head: str = "q8_0", kernels: Any | None = None) -> GGUFWeights:
     """Read a llama GGUF whose matrices are Q4_1 (token embedding / LM head Q8_0) and pack them for the
-    int4 kernel, or for the native tile kernel where ``kernels`` (:class:`chatd.engine.native.EngineKernels`)
+    int4 kernel, or for the native tile kernel where ``kernels`` (:class:`chatd.engine.kernels.loader.EngineKernels`)
     has one (AMX or AVX512-VNNI). ``lm_head``: ``"q8_0"`` (exact, :class:`Q8_0Linear`) or ``"int8_rows"``
     (:class:`Int8RowLinear`). A separate ``output.weight`` is used for the head when the file has one.
     Takes ~3.5 s on one core here; the result holds no fp32 copy of a quantized matrix."""

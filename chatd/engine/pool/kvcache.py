@@ -1,8 +1,8 @@
 """Session KV caches in one paged pool per device.
 
 The device's KV memory is a :class:`KVPool`: one preallocated tensor of fixed-size blocks
-(:class:`~chatd.engine.paged.PagedKVPool`) and the block bookkeeping that hands them out
-(:class:`~chatd.engine.blocks.BlockAllocator`: block tables, refcounts, prefix sharing by chain hash,
+(:class:`~chatd.engine.pool.paged.PagedKVPool`) and the block bookkeeping that hands them out
+(:class:`~chatd.engine.pool.blocks.BlockAllocator`: block tables, refcounts, prefix sharing by chain hash,
 copy-on-write, an LRU of released blocks that stay findable). The pool's size is the KV budget.
 
 A :class:`SessionKV` is one session's cache: a block table in the pool. Its positions are written by a
@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from chatd.engine.blocks import BlockAllocator, BlockCopy, BlockStats, BlockTable, block_runs, flatten_copies
-from chatd.engine.hugepages import Populating, release_pages
-from chatd.engine.paged import PagedKVPool, dequantize_rows
+from chatd.engine.pool.blocks import BlockAllocator, BlockCopy, BlockStats, BlockTable, flatten_copies
+from chatd.engine.pool.free_blocks import block_runs
+from chatd.engine.pool.hugepages import Populating, release_pages
+from chatd.engine.pool.paged import PagedKVPool, dequantize_rows
 
 # Token positions per block: small enough that a shared prefix ends close to where sessions diverge, large
 # enough that a table of a few thousand tokens is a handful of runs and hashing a block is cheap.
@@ -59,7 +60,7 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        # int8: every position of a head is stored as a row of head_dim values and its scale (chatd.engine.paged)
+        # int8: every position of a head is stored as a row of head_dim values and its scale (chatd.engine.pool.paged)
         self.quantized = self.tensors.quantized
         self.row_width = self.tensors.row_width
         self.device = torch.device(device)

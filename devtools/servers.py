@@ -1,10 +1,7 @@
-"""Development helpers shared by the tests and the benchmarks: the model folders they run on and a real
-``chatd serve`` child process. Needs the ``dev`` extra (httpx, tomli-w); the server itself never imports this."""
+"""A real ``chatd serve`` in a child process on a loopback port, for the tests and the benchmarks."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,51 +11,8 @@ from pathlib import Path
 
 import httpx
 import tomli_w
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from chatd.engine.runner import convert_packaged_model
-
-ROOT = Path(__file__).resolve().parent.parent  # the checkout (chatd is installed editable for development)
-CACHE_DIR = Path(os.environ.get("CHATD_TEST_CACHE", ROOT / ".cache"))
-TINY_VERSION = 1
-
-
-def packaged_model_dir() -> Path:
-    """The packaged SmolLM2 converted to safetensors once per machine (kept in .cache/)."""
-    return convert_packaged_model(CACHE_DIR / "data")
-
-
-def tiny_model_dir() -> Path:
-    """A 2-layer random-init llama with SmolLM2's real tokenizer and chat template (fast tests)."""
-    target = CACHE_DIR / f"tiny-llama-v{TINY_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    real = packaged_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(real)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(1234)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        # Wider logits than the default init, so sampled text varies and EOS is rare.
-        model.lm_head.weight.normal_(0, 0.5)
-    tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-# ----------------------------------------------------------------------------- real server processes
+from devtools.models import ROOT
 
 
 def free_port() -> int:

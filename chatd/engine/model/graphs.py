@@ -12,7 +12,7 @@ address, so:
   ``max_batch_size``) and context widths (16, 24, 32, 48, 64, ... blocks up to the model's context). A step runs
   the smallest graph that holds it: missing rows are padding, which write their K/V to a scratch block
   that no session holds and attend only to it; table columns past a sequence's length are masked out.
-* Attention gathers every row's blocks in one indexed copy per layer (:func:`chatd.engine.paged.gather_blocks`)
+* Attention gathers every row's blocks in one indexed copy per layer (:func:`chatd.engine.pool.paged.gather_blocks`)
   and runs as two batched matmuls around a masked softmax; no Python loop over sessions. Not SDPA: with
   a mask and a few query rows per KV head, the graphs ran slower than the eager forward at 2,048 tokens
   on an H200 (60 vs 91 tok/s, one session).
@@ -39,11 +39,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from chatd.engine.kvcache import KVPool, SessionKV
-from chatd.engine.llama import LlamaForward
-from chatd.engine.paged import gather_blocks
+from chatd.engine.model.forward import LlamaForward
+from chatd.engine.pool.kvcache import KVPool, SessionKV
+from chatd.engine.pool.paged import gather_blocks
 
-log = logging.getLogger("chatd.engine.graphs")
+log = logging.getLogger("chatd.engine.model.graphs")
 
 # Batch sizes with a graph of their own (vLLM's buckets start the same way); the engine's largest batch
 # is always one too.

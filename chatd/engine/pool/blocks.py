@@ -1,7 +1,7 @@
 """Block bookkeeping for a paged KV pool, in the manner of PagedAttention. Pure Python: no torch, no I/O.
 
 The device's KV memory is a pool of ``num_blocks`` blocks of ``block_size`` token positions each (the
-tensors live in :mod:`chatd.engine.paged`; this module only decides which block holds what). A
+tensors live in :mod:`chatd.engine.pool.paged`; this module only decides which block holds what). A
 :class:`BlockTable` is one sequence's list of block ids: its token position ``p`` lives in block
 ``block_ids[p // block_size]`` at offset ``p % block_size``, i.e. at slot
 ``block_ids[p // block_size] * block_size + p % block_size`` of the pool.
@@ -70,21 +70,19 @@ A :meth:`~BlockAllocator.reserve` counts that copy: after ``reserve(table, n)``,
 positions in all takes nothing from the pool.
 
 Threading: not thread-safe; one owner calls it (the engine thread, through the session caches of
-chatd.engine.kvcache). Other threads may read the cheap queries (counts, ``cached_prefix_len``,
+chatd.engine.pool.kvcache). Other threads may read the cheap queries (counts, ``cached_prefix_len``,
 ``ref_count``) and :meth:`BlockAllocator.stats`, which tolerates concurrent changes.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from chatd.engine.pool.free_blocks import FreeBlocks, num_blocks_for
+from chatd.engine.pool.prefix_hash import chain_hash, root_hash
 from chatd.errors import ContextLengthExceeded
-
-HASH_BYTES = 16
 
 
 class BlockPoolExhausted(ContextLengthExceeded):
@@ -154,93 +152,6 @@ class BlockStats:
     @property
     def hit_ratio(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
-
-
-def root_hash(salt: bytes, namespace: bytes = b"") -> bytes:
-    """The parent hash of a sequence's first block under ``salt`` and ``namespace``."""
-    digest = hashlib.blake2b(b"chatd-kv-root\0", digest_size=HASH_BYTES)
-    digest.update(len(salt).to_bytes(8, "little"))
-    digest.update(salt)
-    digest.update(namespace)
-    return digest.digest()
-
-
-def chain_hash(parent: bytes, token_ids: Sequence[int], salt: bytes) -> bytes:
-    """The hash of one full block: ``H(parent hash, its token ids, salt)`` (128-bit BLAKE2b).
-
-    ``parent`` has a fixed length, so the parts cannot run into each other.
-    """
-    digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
-    digest.update(array("q", token_ids).tobytes())
-    digest.update(salt)
-    return digest.digest()
-
-
-def num_blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """The maximal runs of consecutive ids in ``block_ids``, in order, as ``(first_block_id, num_blocks)``:
-    ``[4, 5, 6, 9, 10, 2]`` gives ``[(4, 3), (9, 2), (2, 1)]``. A run is one view of the pool."""
-    runs: list[tuple[int, int]] = []
-    for block_id in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == block_id:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((block_id, 1))
-    return runs
-
-
-class _FreeBlocks:
-    """The free block ids as a bitmap (1 = free): take or return a given id in O(1), count in O(1),
-    find a run of consecutive free ids with ``bytearray.find`` (C speed)."""
-
-    __slots__ = ("_bits", "_count")
-
-    def __init__(self, num_blocks: int) -> None:
-        self._bits = bytearray(b"\x01") * num_blocks
-        self._count = num_blocks
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __contains__(self, block_id: int) -> bool:
-        return self._bits[block_id] == 1
-
-    def add(self, block_id: int) -> None:
-        assert self._bits[block_id] == 0, f"block {block_id} freed twice"
-        self._bits[block_id] = 1
-        self._count += 1
-
-    def remove(self, block_id: int) -> None:
-        assert self._bits[block_id] == 1, f"block {block_id} is not free"
-        self._bits[block_id] = 0
-        self._count -= 1
-
-    def is_run(self, start: int, length: int) -> bool:
-        """Whether ids ``[start, start + length)`` are all free (and exist)."""
-        return 0 <= start and self._bits.find(b"\x01" * length, start, start + length) == start
-
-    def find_run(self, length: int) -> int:
-        """The first id of the first run of ``length`` free ids, or -1."""
-        return self._bits.find(b"\x01" * length)
-
-    def runs(self) -> list[tuple[int, int]]:
-        """Every maximal run of free ids as ``(start, length)``, in id order."""
-        bits = self._bits
-        runs: list[tuple[int, int]] = []
-        start = bits.find(1)
-        while start != -1:
-            end = bits.find(0, start)
-            if end == -1:
-                end = len(bits)
-            runs.append((start, end - start))
-            start = bits.find(1, end)
-        return runs
-
-    def bitmap(self) -> bytes:
-        return bytes(self._bits)
 
 
 class BlockTable:
@@ -329,7 +240,7 @@ class BlockAllocator:
         self._block_hashes: list[bytes | None] = [None] * num_blocks
         self._block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
         self._index: dict[bytes, int] = {}
-        self._free = _FreeBlocks(num_blocks)
+        self._free = FreeBlocks(num_blocks)
         self._cached: OrderedDict[int, None] = OrderedDict()  # oldest release first
         self._tables: dict[int, BlockTable] = {}
         self._next_table_id = 0

@@ -1,9 +1,9 @@
-/* chatd's native CPU kernels for one layer of a forward step (chatd/engine/native.py builds and loads
+/* chatd's native CPU kernels for one layer of a forward step (chatd/engine/kernels/loader.py builds and loads
  * this file): RoPE with the K/V write into the paged pool (chatd_rope_write, at the end), and decode
  * attention over the pool, one query token per sequence, every sequence of a step in one call.
  *
  * The pool of one layer holds K and V per KV head as a flat matrix of slots, [num_blocks * block_size,
- * head_dim] (chatd/engine/paged.py); a sequence's positions are the slots of its block table, in order.
+ * head_dim] (chatd/engine/pool/paged.py); a sequence's positions are the slots of its block table, in order.
  * For each (sequence, KV head) pair the kernel walks the sequence's blocks once, scoring the block's keys
  * against every query head of the group (grouped-query attention) while they are in cache, and keeps a
  * running softmax (max, sum, weighted sum of values) per query head, so K and V are each read once and
@@ -33,7 +33,7 @@ static inline int omp_get_num_threads(void) { return 1; }
 #define MAX_BLOCK 64
 #define SPLIT_MIN_BLOCKS 8 /* a pair's blocks are split for the threads only into ranges this long or more */
 /* Steps of this many rows or more run RoPE with the K/V write, the residual add with RMSNorm, and the bf16
- * conversions around attention (chatd/engine/step.c) on the threads, each thread on its own rows. Below it the
+ * conversions around attention (chatd/engine/kernels/step.c) on the threads, each thread on its own rows. Below it the
  * fork and join cost more than they save. Per-step A/B on this 2-core Zen 4 (the two versions alternating
  * step by step, 400-500 steps each, 64-token contexts), step time on the threads vs on one: 2 rows +1.8 %,
  * 4 rows +1.9 %, 6 rows -1.0 %, 8 rows -0.6 % and -2.0 %, 12 rows -3.1 %, 16 rows -1.8 % and -2.3 % (8
@@ -903,7 +903,7 @@ void chatd_silu_mul(const uint16_t *gate_up, uint16_t *out, int rows, int inter,
 }
 
 /* bf16 -> fp32 (exact) and fp32 -> bf16 (rounded as torch rounds) for n contiguous values: the conversions a
- * forward step makes between kernels (chatd/engine/step.c), which calls them per row, on the threads from
+ * forward step makes between kernels (chatd/engine/kernels/step.c), which calls them per row, on the threads from
  * PARALLEL_ROWS rows (chatd_widen_bf16_rows, chatd_round_bf16_rows). */
 void chatd_widen_bf16(const uint16_t *x, float *out, int64_t n)
 {
