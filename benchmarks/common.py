@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     import torch
 
     from chatd.config import Settings
-    from chatd.core import Chatd
     from chatd.engine.model.runner import ModelRunner
+    from chatd.service.core import Chatd
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_VERSION = 1
@@ -59,7 +59,7 @@ async def open_chatd(settings: Settings, runner: ModelRunner) -> AsyncIterator[C
     takes seconds to populate on two cores, and a first turn beside it ran several times slower)."""
     import asyncio
 
-    from chatd.core import Chatd
+    from chatd.service.core import Chatd
 
     async with Chatd.open(settings, runner=runner, background=False) as core:
         await asyncio.to_thread(core.kv.pool.wait_populated)

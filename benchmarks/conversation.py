@@ -7,7 +7,7 @@
    edit's prefill (time to first token and ``usage.prefill_tokens``) is set against the number of
    tokens after the edit and against a full recompute of the same edited history.
 
-Both run in-process on a real :class:`chatd.core.Chatd` (store, KV manager, engine worker) with the
+Both run in-process on a real :class:`chatd.service.core.Chatd` (store, KV manager, engine worker) with the
 packaged model; every number comes from the turn's own ``usage``.
 """
 
@@ -20,9 +20,8 @@ from typing import Any
 
 from benchmarks.common import Bench, Column, Corpus, Figure, open_chatd, ratio
 from chatd import config
-from chatd.core import Chatd
-from chatd.protocol import GenerationParams
-from chatd.turns import TurnResult
+from chatd.service.core import Chatd
+from chatd.service.types import GenerationOptions, TurnResult
 
 SYSTEM = "You are a careful assistant. The user shares notes in parts; answer briefly."
 PROBE_TOKENS = 24  # about the length of the measured question, with its framing
@@ -40,8 +39,8 @@ def _settings(bench: Bench, name: str) -> config.Settings:
     })
 
 
-def _params(bench: Bench) -> GenerationParams:
-    return GenerationParams(max_tokens=bench.plan.reply_tokens, temperature=0.0)
+def _params(bench: Bench) -> GenerationOptions:
+    return GenerationOptions(max_tokens=bench.plan.reply_tokens, temperature=0.0)
 
 
 async def _conversation_tokens(core: Chatd, session_id: str) -> int:
@@ -70,7 +69,7 @@ async def _direct_ms(core: Chatd, session_id: str) -> float:
     return float(await core.worker.call(run))
 
 
-async def _turn(core: Chatd, session_id: str, content: str, params: GenerationParams) -> TurnResult:
+async def _turn(core: Chatd, session_id: str, content: str, params: GenerationOptions) -> TurnResult:
     result = await core.sessions.send(session_id, content, params).wait()
     assert isinstance(result, TurnResult)
     return result

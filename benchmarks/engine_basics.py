@@ -23,8 +23,7 @@ from benchmarks.common import open_chatd
 from chatd import config
 from chatd.config import ModelSettings
 from chatd.engine.model.runner import ModelRunner
-from chatd.protocol import GenerationParams
-from chatd.turns import TurnResult
+from chatd.service.types import GenerationOptions, TurnResult
 
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "Which one is bigger?"]
 _LATER_LOAD = """
@@ -60,7 +59,7 @@ async def _turns(runner: ModelRunner, data_dir: Path) -> list[TurnResult]:
         session = await core.sessions.create()
         for question in QUESTIONS:
             result = await core.sessions.send(session.session_id, question,
-                                              GenerationParams(temperature=0, max_tokens=48)).wait()
+                                              GenerationOptions(temperature=0, max_tokens=48)).wait()
             assert isinstance(result, TurnResult)
             results.append(result)
     return results

@@ -82,8 +82,7 @@ async def _workload(args: argparse.Namespace) -> dict[str, Any]:
     from chatd import config
     from chatd.config import ModelSettings
     from chatd.engine.model.runner import ModelRunner
-    from chatd.protocol import GenerationParams
-    from chatd.turns import TurnResult
+    from chatd.service.types import GenerationOptions, TurnResult
     from devtools.models import packaged_model_dir, tiny_model_dir
 
     folder = tiny_model_dir() if args.model == "tiny" else packaged_model_dir()
@@ -98,7 +97,7 @@ async def _workload(args: argparse.Namespace) -> dict[str, Any]:
         "cache": {"device_budget_mb": budget_mb, "persist_idle_s": 0, "idle_evict_s": 0, "disk_budget_mb": 65536},
         "log_level": "warning",
     })
-    params = GenerationParams(max_tokens=args.reply_tokens, temperature=0.0)
+    params = GenerationOptions(max_tokens=args.reply_tokens, temperature=0.0)
     corpus = Corpus(runner.tokenizer)
     after_turns: list[float] = []
     sampled_max = 0.0

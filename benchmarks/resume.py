@@ -14,14 +14,13 @@ import statistics
 import tempfile
 
 from chatd import config
-from chatd.core import Chatd
-from chatd.protocol import GenerationParams
-from chatd.turns import TurnResult
+from chatd.service.core import Chatd
+from chatd.service.types import GenerationOptions, TurnResult
 from devtools.models import ROOT
 
 
 async def _turn(core: Chatd, session_id: str, text: str) -> TurnResult:
-    result = await core.sessions.send(session_id, text, GenerationParams(temperature=0, max_tokens=4)).wait()
+    result = await core.sessions.send(session_id, text, GenerationOptions(temperature=0, max_tokens=4)).wait()
     assert isinstance(result, TurnResult), result
     return result
 

@@ -15,7 +15,7 @@ import time
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from chatd.turns import TurnResult
+    from chatd.service.types import TurnResult
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 QUIET_LOGGERS = ("alembic", "httpx", "transformers")

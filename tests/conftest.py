@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from chatd import config
 from chatd.config import ModelSettings, Settings
-from chatd.core import Chatd
 from chatd.engine.model.runner import ModelRunner
+from chatd.service.core import Chatd
 from tests import support
 
 

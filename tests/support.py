@@ -11,10 +11,10 @@ from pathlib import Path
 import uvicorn
 
 from chatd.config import Settings
-from chatd.core import Chatd
 from chatd.engine.model.runner import ModelRunner
 from chatd.server.app import create_app
 from chatd.server.transport import WebSocketProtocol
+from chatd.service.core import Chatd
 from devtools.models import CACHE_DIR, ROOT, packaged_model_dir, tiny_model_dir
 from devtools.reference import reference_greedy
 from devtools.servers import LoopbackServer, ServerProcess, free_port

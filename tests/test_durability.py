@@ -16,21 +16,20 @@ import pytest
 import torch
 
 from chatd.config import ModelSettings, Settings
-from chatd.core import Chatd
 from chatd.engine.kernels.loader import load_kernels
 from chatd.engine.model.runner import ModelRunner
 from chatd.engine.pool.kvcache import SessionKV
 from chatd.errors import ContextLengthExceeded
 from chatd.kv.snapshot import SnapshotInfo, read_info
-from chatd.protocol import GenerationParams, Usage
-from chatd.turns import TurnResult
+from chatd.service.core import Chatd
+from chatd.service.types import GenerationOptions, TurnResult, Usage
 
 SettingsFactory = Callable[..., Settings]
 
 
-def sampled(seed: int, n: int = 12) -> GenerationParams:
+def sampled(seed: int, n: int = 12) -> GenerationOptions:
     # Seeded sampling: replies differ from turn to turn, and equal logits give equal replies.
-    return GenerationParams(temperature=1.0, top_k=0, top_p=1.0, seed=seed, max_tokens=n)
+    return GenerationOptions(temperature=1.0, top_k=0, top_p=1.0, seed=seed, max_tokens=n)
 
 
 async def turn(core: Chatd, session_id: str, text: str, seed: int, n: int = 12) -> TurnResult:
@@ -403,7 +402,7 @@ async def test_a_turn_larger_than_the_budget_is_refused_up_front(make_settings: 
     async with Chatd.open(settings, runner=tiny_runner, background=False) as core:
         sid = (await core.sessions.create()).session_id
         with pytest.raises(ContextLengthExceeded):
-            await core.sessions.send(sid, "hi", GenerationParams(max_tokens=200)).wait()
+            await core.sessions.send(sid, "hi", GenerationOptions(max_tokens=200)).wait()
         assert await core.repo.get_messages(sid) == []
         ok = await turn(core, sid, "hi", 1, n=20)
         assert isinstance(ok.usage, Usage)

@@ -16,23 +16,22 @@ import torch
 from fastapi.testclient import TestClient
 
 from chatd.config import GenerationSettings
-from chatd.core import Chatd
 from chatd.engine import worker as worker_module
 from chatd.engine.model.runner import ModelRunner
 from chatd.engine.model.sampling import SamplingError, SamplingParams, make_generator, sample
 from chatd.engine.scheduler import WIDE_STEP_ROWS
 from chatd.engine.worker import EngineWorker, GenerationResult
 from chatd.errors import ChatdError, Internal
-from chatd.protocol import GenerationParams
 from chatd.server.app import create_app
-from chatd.turns import TurnResult
+from chatd.service.core import Chatd
+from chatd.service.types import GenerationOptions, TurnResult
 
 
 def test_tiny_temperatures_resolve_to_greedy() -> None:
     defaults = GenerationSettings(max_tokens=8, temperature=0.7, top_p=1.0, top_k=0)
     for tiny in (1e-40, 1e-10, 9.9e-4):
-        assert SamplingParams.resolve(GenerationParams(temperature=tiny), defaults).greedy
-    assert not SamplingParams.resolve(GenerationParams(temperature=1e-3), defaults).greedy
+        assert SamplingParams.resolve(GenerationOptions(temperature=tiny), defaults).greedy
+    assert not SamplingParams.resolve(GenerationOptions(temperature=1e-3), defaults).greedy
 
 
 def test_sampling_at_any_positive_temperature_never_overflows() -> None:
@@ -54,8 +53,8 @@ def test_non_finite_logits_raise_a_sampling_error() -> None:
 async def test_tiny_temperature_turn_completes_and_others_keep_streaming(tiny_core: Chatd) -> None:
     svc = tiny_core.sessions
     a, b = await svc.create(), await svc.create()
-    long_turn = svc.send(b.session_id, "Count slowly.", GenerationParams(temperature=0, max_tokens=40))
-    tiny = await svc.send(a.session_id, "Hello", GenerationParams(temperature=1e-40, max_tokens=2)).wait()
+    long_turn = svc.send(b.session_id, "Count slowly.", GenerationOptions(temperature=0, max_tokens=40))
+    tiny = await svc.send(a.session_id, "Hello", GenerationOptions(temperature=1e-40, max_tokens=2)).wait()
     assert isinstance(tiny, TurnResult) and tiny.usage.output_tokens == 2
     other = await long_turn.wait()
     assert isinstance(other, TurnResult) and other.usage.output_tokens == 40
@@ -74,15 +73,15 @@ async def test_a_failing_row_fails_only_its_own_turn(tiny_core: Chatd, monkeypat
     monkeypatch.setattr(worker_module, "sample_rows", faulty)
     svc = tiny_core.sessions
     good_info, bad_info = await svc.create(), await svc.create()
-    good = svc.send(good_info.session_id, "Keep going.", GenerationParams(temperature=0, max_tokens=30))
-    bad = svc.send(bad_info.session_id, "Fail me.", GenerationParams(temperature=1.0, seed=13, max_tokens=30))
+    good = svc.send(good_info.session_id, "Keep going.", GenerationOptions(temperature=0, max_tokens=30))
+    bad = svc.send(bad_info.session_id, "Fail me.", GenerationOptions(temperature=1.0, seed=13, max_tokens=30))
     with pytest.raises(ChatdError) as failure:
         await bad.wait()
     assert failure.value.code == "internal"
     result = await good.wait()
     assert isinstance(result, TurnResult) and result.usage.output_tokens == 30
     # The failed session is usable again.
-    again = await svc.send(bad_info.session_id, "Again.", GenerationParams(temperature=0, max_tokens=3)).wait()
+    again = await svc.send(bad_info.session_id, "Again.", GenerationOptions(temperature=0, max_tokens=3)).wait()
     assert isinstance(again, TurnResult)
 
 
@@ -96,13 +95,13 @@ async def test_a_dead_engine_fails_everything_promptly(tiny_core: Chatd) -> None
     svc = tiny_core.sessions
     info = await svc.create()
     with pytest.raises(ChatdError):
-        await asyncio.wait_for(svc.send(info.session_id, "Hi", GenerationParams(max_tokens=3)).wait(), 30)
+        await asyncio.wait_for(svc.send(info.session_id, "Hi", GenerationOptions(max_tokens=3)).wait(), 30)
     assert not worker.alive and isinstance(worker.failure, RuntimeError)
     with pytest.raises(Internal):
         await asyncio.wait_for(worker.call(lambda: 1), 5)
     # A new turn after the death fails at once instead of hanging.
     with pytest.raises(ChatdError):
-        await asyncio.wait_for(svc.send(info.session_id, "Hi", GenerationParams(max_tokens=3)).wait(), 5)
+        await asyncio.wait_for(svc.send(info.session_id, "Hi", GenerationOptions(max_tokens=3)).wait(), 5)
     # tiny_core's exit (shutdown) must complete too: the fixture's teardown checks it.
 
 

@@ -26,7 +26,7 @@ from chatd.errors import ConfigError
 from chatd.kv import manager
 from chatd.kv.policy import CacheRecord, CostModel, choose_victims, idle_victims, persist_candidates, prefer_restore
 from chatd.kv.prefix import common_prefix_len, longest_reusable, reusable_prefix
-from chatd.protocol import GenerationParams
+from chatd.service.types import GenerationOptions
 
 
 def test_sampling_rules() -> None:
@@ -136,7 +136,7 @@ def test_the_gpu_s_whole_row_draw_equals_the_cpu_s_candidates() -> None:
 
 def test_params_resolve_overrides_defaults() -> None:
     defaults = GenerationSettings(max_tokens=100, temperature=0.7, top_p=0.9, top_k=40)
-    p = SamplingParams.resolve(GenerationParams(temperature=0, stop=["x"]), defaults)
+    p = SamplingParams.resolve(GenerationOptions(temperature=0, stop=["x"]), defaults)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.stop) == (100, 0.0, 0.9, 40, ("x",))
     assert p.greedy
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from chatd.config import Settings
-from chatd.core import Chatd
 from chatd.engine.model.runner import ModelRunner
 from chatd.engine.pool.hugepages import (
     HUGE_PAGE,
@@ -22,6 +21,7 @@ from chatd.engine.pool.hugepages import (
     release_pages,
     thp_mode,
 )
+from chatd.service.core import Chatd
 
 MODE = thp_mode()
 LENDS = MODE in ("always", "madvise")  # huge pages to a range that asks

@@ -15,20 +15,19 @@ import torch
 import torch.nn.functional as F
 
 from chatd.config import Settings
-from chatd.core import Chatd
 from chatd.engine.model.runner import ModelRunner
 from chatd.engine.pool.free_blocks import block_runs
 from chatd.engine.pool.kvcache import KVPool, SessionKV, any_layer_kv, attend
 from chatd.kv import manager as manager_module
-from chatd.protocol import GenerationParams
-from chatd.turns import TurnResult
+from chatd.service.core import Chatd
+from chatd.service.types import GenerationOptions, TurnResult
 from tests.support import reference_greedy
 
 SYSTEM = "You are a meticulous assistant who answers in full sentences and checks every step twice. " * 5
 
 
-def greedy(n: int) -> GenerationParams:
-    return GenerationParams(max_tokens=n, temperature=0)
+def greedy(n: int) -> GenerationOptions:
+    return GenerationOptions(max_tokens=n, temperature=0)
 
 
 # ----------------------------------------------------------------------------- attention over runs

@@ -41,7 +41,7 @@ def _within(name: str, prefix: str) -> bool:
 
 @pytest.mark.parametrize("layer", ["engine", "kv"])
 def test_engine_and_kv_never_import_the_edges(layer: str) -> None:
-    forbidden = ("chatd.protocol", "chatd.server", "chatd.store", "chatd.client", "chatd.sessions", "chatd.turns")
+    forbidden = ("chatd.protocol", "chatd.server", "chatd.store", "chatd.client", "chatd.service")
     offenders = {
         f"{path.relative_to(PACKAGE.parent)} imports {name}"
         for path in modules_in(layer) for name in chatd_imports(path)
@@ -143,3 +143,49 @@ def test_the_package_imports_nothing_a_server_install_lacks() -> None:
     }
     assert "dev" not in {p.stem for p in modules_in()}
     assert not offenders
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_the_service_layer_imports_no_wire_model_and_no_edge() -> None:
+    """The service works in its own types (chatd.service.types); the edges map them to the wire's models."""
+    forbidden = ("chatd.protocol", "chatd.server", "chatd.client", "chatd.cli")
+    offenders = {
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in [*modules_in("service"), PACKAGE / "counters.py"] for name in chatd_imports(path)
+        if any(_within(name, f) for f in forbidden)
+    }
+    assert not offenders
+
+
+def test_counters_are_a_leaf() -> None:
+    assert chatd_imports(PACKAGE / "counters.py") == set()
+
+
+def test_no_import_circles() -> None:
+    """No chatd module reaches itself through its imports: type-only imports and imports inside functions count."""
+    graph = {_module_name(path): {name for name in chatd_imports(path)} for path in modules_in()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in graph:
+                continue
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target):], target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert cycles == []

@@ -11,7 +11,7 @@ import pytest
 from chatd import pool as pool_module
 from chatd.kv.manager import KVManager
 from chatd.kv.prefix import common_prefix_len
-from chatd.pool import PrefixPool
+from chatd.service.pool import PrefixPool
 
 
 class FakeKV:

@@ -23,13 +23,13 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from chatd import config
 from chatd.config import Settings
-from chatd.core import MAX_PAGE_LIMIT, MAX_PAGE_OFFSET
 from chatd.domain import CLOSE_IDLE, CLOSE_TOO_SLOW, CLOSE_UNAUTHORIZED, KEY_SUBPROTOCOL_PREFIX, SUBPROTOCOL
 from chatd.engine.model.runner import ModelRunner
 from chatd.errors import ERROR_CODES
 from chatd.protocol import MAX_NESTING_DEPTH, PROTOCOL_VERSION, Pong
 from chatd.server.app import create_app
 from chatd.server.connection import Connection
+from chatd.service.core import MAX_PAGE_LIMIT, MAX_PAGE_OFFSET
 
 MAX_CHARS = 2000
 MAX_FRAME = 16_384

@@ -21,12 +21,11 @@ from sqlalchemy.exc import OperationalError
 from chatd import turns as turns_module
 from chatd.client import ChatClient, ChatError
 from chatd.config import Settings
-from chatd.core import Chatd
 from chatd.engine.model.runner import ModelRunner
 from chatd.errors import ReplyNotSaved
-from chatd.protocol import GenerationParams
+from chatd.service.core import Chatd
+from chatd.service.types import GenerationOptions, TurnResult
 from chatd.store.repo import Repo
-from chatd.turns import TurnResult
 from tests.support import InProcessServer
 
 
@@ -57,7 +56,7 @@ def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(turns_module, "REPLY_COMMIT_DELAYS_S", (0.01, 0.01, 0.01))
 
 
-PARAMS = GenerationParams(temperature=0, max_tokens=8)
+PARAMS = GenerationOptions(temperature=0, max_tokens=8)
 
 
 async def test_a_reply_that_cannot_be_stored_is_reported_and_its_user_message_marked(

@@ -9,15 +9,14 @@ import time
 
 import pytest
 
-from chatd.core import Chatd
 from chatd.errors import BadRequest, Busy, ContextLengthExceeded, NotFound
-from chatd.protocol import GenerationParams
 from chatd.server.admin import render_stats
-from chatd.turns import EditResult, TurnResult
+from chatd.service.core import Chatd
+from chatd.service.types import EditResult, GenerationOptions, TurnResult
 
 
-def greedy(n: int) -> GenerationParams:
-    return GenerationParams(temperature=0, max_tokens=n)
+def greedy(n: int) -> GenerationOptions:
+    return GenerationOptions(temperature=0, max_tokens=n)
 
 
 async def test_cancel_mid_reply_keeps_partial_and_other_session_is_unaffected(tiny_core: Chatd) -> None:
@@ -127,7 +126,7 @@ async def test_context_overflow_is_refused_before_any_work(make_settings, tiny_d
             await svc.send(info.session_id, "Hi again", greedy(500)).wait()
         assert await core.repo.get_messages(info.session_id) == before  # nothing committed
         # Without an explicit max_tokens the reply is limited to what the context has left.
-        last = await svc.send(info.session_id, "Hi again", GenerationParams(temperature=0)).wait()
+        last = await svc.send(info.session_id, "Hi again", GenerationOptions(temperature=0)).wait()
         assert isinstance(last, TurnResult)
         assert last.usage.input_tokens + last.usage.output_tokens <= 96
 
@@ -203,7 +202,7 @@ async def test_edit_assistant_message_generates_nothing_and_next_turn_reuses_pre
 
 async def test_seeded_sampling_is_reproducible(tiny_core: Chatd) -> None:
     svc = tiny_core.sessions
-    params = GenerationParams(temperature=1.0, top_p=0.9, top_k=40, seed=7, max_tokens=12)
+    params = GenerationOptions(temperature=1.0, top_p=0.9, top_k=40, seed=7, max_tokens=12)
     outs = []
     for _ in range(2):
         info = await svc.create()
@@ -222,7 +221,7 @@ async def test_stop_string_truncates_and_stores_matching_ids(tiny_core: Chatd) -
     assert len(text) > 6
     stop = text[4:7]
     info2 = await svc.create()
-    stopped = await svc.send(info2.session_id, "Go", GenerationParams(temperature=0, max_tokens=30,
+    stopped = await svc.send(info2.session_id, "Go", GenerationOptions(temperature=0, max_tokens=30,
                                                                        stop=[stop])).wait()
     assert isinstance(stopped, TurnResult)
     assert stopped.finish_reason == "stop"

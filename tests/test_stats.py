@@ -6,20 +6,19 @@ import dataclasses
 
 import pytest
 
-from chatd.core import Chatd
+from chatd.counters import Counters, EvictionReason
 from chatd.domain import Tier
-from chatd.protocol import GenerationParams
 from chatd.server.admin import render_stats
 from chatd.server.metrics import Metrics
-from chatd.stats import Counters, EvictionReason
-from chatd.turns import TurnResult
+from chatd.service.core import Chatd
+from chatd.service.types import GenerationOptions, TurnResult
 
 # Long enough (> restore_min_tokens) that an evicted session is restored rather than recomputed.
 LONG_MESSAGE = "Please read this sentence about caches and tiers carefully. " * 12
 
 
-def greedy(n: int) -> GenerationParams:
-    return GenerationParams(temperature=0, max_tokens=n)
+def greedy(n: int) -> GenerationOptions:
+    return GenerationOptions(temperature=0, max_tokens=n)
 
 
 async def _turn(core: Chatd, session_id: str, content: str = LONG_MESSAGE) -> TurnResult:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatd.core import Chatd
-from chatd.protocol import GenerationParams
-from chatd.turns import TurnResult
+from chatd.service.core import Chatd
+from chatd.service.types import GenerationOptions, TurnResult
 from tests.support import reference_greedy
 
 pytestmark = pytest.mark.real_model
 
-GREEDY = GenerationParams(temperature=0, max_tokens=48)
+GREEDY = GenerationOptions(temperature=0, max_tokens=48)
 
 
 async def _conversation_ids(core: Chatd, session_id: str) -> list[int]:

@@ -33,13 +33,13 @@ from typing import Any, TypeVar
 import torch
 
 from chatd.chat.stream import IncrementalDetokenizer, StopMatcher
+from chatd.counters import Counters
 from chatd.domain import FinishReason
 from chatd.engine.model.runner import ModelRunner
 from chatd.engine.model.sampling import SamplingParams, make_generator, sample, sample_rows
 from chatd.engine.pool.kvcache import SessionKV
 from chatd.engine.scheduler import Scheduler
 from chatd.errors import Internal
-from chatd.stats import Counters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

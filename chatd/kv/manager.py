@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from chatd.config import CacheSettings
+from chatd.counters import Counters, EvictionReason
 from chatd.domain import ContextSource, Tier, context_source
 from chatd.engine.model.runner import ModelInfo
 from chatd.engine.pool.kvcache import SessionKV
@@ -30,7 +31,6 @@ from chatd.kv import policy
 from chatd.kv.persistence import SnapshotService
 from chatd.kv.prefix import longest_reusable, reusable_prefix
 from chatd.kv.restore import CacheRestorer
-from chatd.stats import Counters, EvictionReason
 from chatd.tasks import TaskSet
 
 if TYPE_CHECKING:

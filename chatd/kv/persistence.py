@@ -25,6 +25,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from chatd.config import CacheSettings
+from chatd.counters import Counters
 from chatd.domain import SnapshotRecord
 from chatd.engine.model.runner import ModelInfo
 from chatd.engine.pool.kvcache import SessionKV
@@ -35,7 +36,6 @@ from chatd.kv import policy
 from chatd.kv.snapshot import ModelFingerprint, allocate_targets, read_info, read_snapshot, write_snapshot
 from chatd.kv.snapshot_frames import PlaneKernels
 from chatd.kv.snapshot_store import SnapshotStore
-from chatd.stats import Counters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -25,7 +25,7 @@ def reusable_prefix(cached_ids: Sequence[int], prompt_ids: Sequence[int]) -> int
 def agrees_at(cached_ids: Sequence[int], prompt_ids: Sequence[int], need: int) -> bool:
     """Whether both hold ``need`` ids and agree at the last of them (true for ``need`` <= 0): what a cache
     must do to share ``need`` or more positions with the prompt. One lookup, so a search over many caches
-    compares whole prefixes only where it holds (:func:`longest_reusable`, chatd.pool.PrefixPool.choose)."""
+    compares whole prefixes only where it holds (:func:`longest_reusable`, chatd.service.pool.PrefixPool.choose)."""
     if need <= 0:
         return True
     return min(len(cached_ids), len(prompt_ids)) >= need and cached_ids[need - 1] == prompt_ids[need - 1]

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chatd.counters import Counters
 from chatd.engine.pool.kvcache import SessionKV
 from chatd.errors import SnapshotError
 from chatd.kv import policy
 from chatd.kv.persistence import SnapshotService, finish_restore, restore_targets
 from chatd.kv.prefix import common_prefix_len
-from chatd.stats import Counters
 
 if TYPE_CHECKING:
     from chatd.engine.worker import EngineWorker

@@ -12,12 +12,13 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
-from chatd.core import MAX_PAGE_LIMIT, MAX_PAGE_OFFSET, Chatd, SessionSummary
 from chatd.domain import Tier
 from chatd.errors import NotFound, Unauthorized
 from chatd.protocol import Message, SessionInfo
+from chatd.server import wiremap
 from chatd.server.security import bearer_matches
-from chatd.stats import Stats
+from chatd.service.core import MAX_PAGE_LIMIT, MAX_PAGE_OFFSET, Chatd, SessionSummary
+from chatd.service.stats import Stats
 
 
 def _core(request: Request) -> Chatd:
@@ -77,8 +78,9 @@ class ActionResult(BaseModel):
 
 
 def _admin_session(summary: SessionSummary) -> AdminSession:
-    return AdminSession(**summary.info.model_dump(), kv_bytes=summary.kv_bytes, snapshot_bytes=summary.snapshot_bytes,
-                        last_active=summary.last_active, generating=summary.generating)
+    return AdminSession(**wiremap.session_info(summary.info).model_dump(), kv_bytes=summary.kv_bytes,
+                        snapshot_bytes=summary.snapshot_bytes, last_active=summary.last_active,
+                        generating=summary.generating)
 
 
 @router.get("/sessions", response_model=SessionPage)
@@ -94,8 +96,8 @@ async def list_sessions(core: CoreDep, tier: Tier | None = None,
 @router.get("/sessions/{session_id}", response_model=SessionDetail)
 async def get_session(session_id: str, core: CoreDep) -> SessionDetail:
     detail = await core.session_detail(session_id)
-    messages = [MessageDetail(**m.message.model_dump(), num_tokens=m.num_tokens, token_span=m.token_span,
-                              content_span=m.content_span) for m in detail.messages]
+    messages = [MessageDetail(**wiremap.message(m.message).model_dump(), num_tokens=m.num_tokens,
+                              token_span=m.token_span, content_span=m.content_span) for m in detail.messages]
     return SessionDetail(**_admin_session(detail.summary).model_dump(), messages=messages,
                          cached_tokens=detail.cached_tokens)
 

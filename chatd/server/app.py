@@ -19,13 +19,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatd import __version__, logs
 from chatd.config import Settings
-from chatd.core import Chatd
 from chatd.engine.model.runner import ModelRunner
 from chatd.errors import ChatdError, Internal, Unauthorized, describe_validation_errors
 from chatd.server import admin, docs, openai_api
 from chatd.server.metrics import CONTENT_TYPE, Metrics
 from chatd.server.security import WILDCARD_BIND, HostAllowList, SecurityMiddleware, bearer_matches
 from chatd.server.ws import websocket_endpoint
+from chatd.service.core import Chatd
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,14 @@ from chatd.protocol import (
     Token,
     parse_client_frame,
 )
-from chatd.turns import EditResult, Turn, TurnResult
+from chatd.server import wiremap
+from chatd.service.turns import Turn
+from chatd.service.types import EditResult, TurnResult
 
 if TYPE_CHECKING:
     from chatd.config import ServerSettings
-    from chatd.core import Chatd
     from chatd.server.connection import Connection
+    from chatd.service.core import Chatd
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +87,18 @@ class Dispatcher:
                 emit(Pong(id=frame.id))
             case SessionCreate():
                 info = await svc.create(system=frame.system, title=frame.title)
-                emit(SessionCreated(session=info, id=frame.id))
+                emit(SessionCreated(session=wiremap.session_info(info), id=frame.id))
             case SessionResume():
                 info, messages = await svc.resume(frame.session_id)
-                emit(SessionResumed(session=info, messages=messages, id=frame.id))
+                emit(SessionResumed(session=wiremap.session_info(info), messages=[wiremap.message(m) for m in messages],
+                                    id=frame.id))
             case MessageSend():
                 self._check_generation_limits()
-                self._stream(svc.send(frame.session_id, frame.content, frame.params), frame.id)
+                self._stream(svc.send(frame.session_id, frame.content, wiremap.options(frame.params)), frame.id)
             case MessageEdit():
                 self._check_generation_limits()
-                self._stream(svc.edit(frame.session_id, frame.index, frame.content, frame.params), frame.id)
+                self._stream(svc.edit(frame.session_id, frame.index, frame.content, wiremap.options(frame.params)),
+                             frame.id)
             case GenerationCancel():
                 was_running = await svc.cancel(frame.session_id)
                 emit(GenerationCancelled(session_id=frame.session_id, was_running=was_running, id=frame.id))
@@ -120,11 +124,11 @@ class Dispatcher:
                 emit(Token(session_id=sid, text=piece, id=request_id))
             result = turn.result
             if isinstance(result, TurnResult):
-                emit(MessageDone(session_id=sid, user_message=result.user_message,
-                                 assistant_message=result.assistant_message,
-                                 finish_reason=result.finish_reason, usage=result.usage, id=request_id))
+                emit(MessageDone(session_id=sid, user_message=wiremap.message(result.user_message),
+                                 assistant_message=wiremap.message(result.assistant_message),
+                                 finish_reason=result.finish_reason, usage=wiremap.usage(result.usage), id=request_id))
             elif isinstance(result, EditResult):
-                emit(MessageEdited(session_id=sid, message=result.message,
+                emit(MessageEdited(session_id=sid, message=wiremap.message(result.message),
                                    invalidated_from=result.invalidated_from, id=request_id))
         except ChatdError as exc:
             emit(ErrorFrame.of(exc, request_id))

@@ -1,4 +1,4 @@
-"""Prometheus metrics. State and totals are rendered at scrape time from the core's stats (chatd.stats);
+"""Prometheus metrics. State and totals are rendered at scrape time from the core's stats (chatd.service.stats);
 per-turn distributions are histograms observed as turns finish.
 
 Each app gets its own registry, so several servers can live in one process (tests)."""
@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from chatd.stats import Stats
+from chatd.service.stats import Stats
 
 if TYPE_CHECKING:
-    from chatd.core import Chatd
-    from chatd.turns import TurnResult
+    from chatd.service.core import Chatd
+    from chatd.service.types import TurnResult
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -27,7 +27,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPBearer
 
-from chatd.core import Chatd
 from chatd.domain import is_session_id
 from chatd.errors import (
     BadRequest,
@@ -43,7 +42,9 @@ from chatd.errors import (
 from chatd.server import openai_wire as wire
 from chatd.server.security import bearer_matches
 from chatd.server.ws import key_valid
-from chatd.turns import Turn, TurnResult
+from chatd.service.core import Chatd
+from chatd.service.turns import Turn
+from chatd.service.types import TurnResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -25,7 +25,8 @@ from chatd.errors import (
     TooLarge,
     Unauthorized,
 )
-from chatd.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, GenerationParams, Usage
+from chatd.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from chatd.service.types import GenerationOptions, Usage
 
 MAX_MESSAGES = 10_000
 
@@ -56,7 +57,7 @@ SUPPORTED = ("model", "messages", "max_tokens", "max_completion_tokens", "temper
 class ChatRequest:
     model: str
     messages: list[tuple[Role, str]]
-    params: GenerationParams
+    params: GenerationOptions
     stream: bool
     include_usage: bool
     user: str
@@ -180,13 +181,13 @@ def parse_request(body: Any) -> ChatRequest:
         user = _text(user, "user")
         if len(user) > 256:
             raise _fail("user", "at most 256 characters")
-    params = GenerationParams(
+    params = GenerationOptions(
         max_tokens=max_completion if max_completion is not None else max_tokens,
         temperature=_number(body, "temperature", integer=False, low=0, high=2),
         top_p=_number(body, "top_p", integer=False, low=0, high=1, low_open=True),
         top_k=_number(body, "top_k", integer=True, low=0, high=1 << 20),
         seed=_number(body, "seed", integer=True, low=0, high=(1 << 63) - 1),
-        stop=_stop(body.get("stop")),
+        stop=tuple(_stop(body.get("stop"))),
     )
     return ChatRequest(model, messages, params, bool(stream), include_usage, user or "")
 

@@ -24,8 +24,8 @@ from chatd.server.dispatch import Dispatcher
 from chatd.server.security import HostAllowList, origin_allowed
 
 if TYPE_CHECKING:
-    from chatd.core import Chatd
     from chatd.server.metrics import Metrics
+    from chatd.service.core import Chatd
 
 
 def offered_key(ws: WebSocket) -> str | None:

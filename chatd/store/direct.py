@@ -7,8 +7,9 @@ wait for one after another (16 conversation reads at once took ~70 ms; the group
 ended 140-300 ms into a burst). Here one call is one hop to a thread that owns a plain sqlite3
 connection and runs the whole transaction there (0.2 ms for the read; 16 at once 2.6 ms).
 
-Only what a turn needs goes this way (:class:`chatd.store.repo.Repo` chooses): reading a session,
-its active messages, and appending a message. Everything else, and every other backend, stays on
+Only what a turn needs goes this way (:class:`SqliteStatements`, which :class:`chatd.store.repo.Repo` chooses
+once, at construction, for a SQLite file): reading a session, its active messages, appending a message, creating
+and deleting a session, and the snapshot records. Everything else, and every other backend, stays on
 the ORM. Both write the same bytes and return equal records, which the store tests check by running
 every repository test on both paths and comparing records read through each: timestamps in
 SQLAlchemy's SQLite text form (naive UTC, microseconds), token ids as the little-endian uint32 blob,
@@ -26,14 +27,16 @@ import json
 import sqlite3
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from chatd.domain import SessionRecord
+from chatd.domain import SessionRecord, SnapshotRecord
 from chatd.errors import BadRequest, NotFound
 from chatd.store.db import configure_sqlite_connection
-from chatd.store.models import pack_token_ids, unpack_token_ids, utc
+from chatd.store.models import SessionRow, SnapshotRow, pack_token_ids, unpack_token_ids, utc
+from chatd.store.records import MessageRecord
 
 _T = TypeVar("_T")
 
@@ -221,3 +224,46 @@ class SqliteDirect:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._close)
         finally:
             self._executor.shutdown(wait=False)
+
+
+class SqliteStatements:
+    """A turn's statements on a SQLite file through :class:`SqliteDirect` (the repository's ``Statements`` there)."""
+
+    def __init__(self, path: Path) -> None:
+        self.direct = SqliteDirect(path)
+
+    async def read_session(self, session_id: str) -> SessionRecord | None:
+        return await self.direct.read(lambda conn: read_session(conn, session_id))
+
+    async def read_conversation(self, session_id: str) -> tuple[SessionRecord, list[MessageRecord]]:
+        def read(conn: sqlite3.Connection) -> tuple[SessionRecord | None, list[dict[str, Any]]]:
+            session = read_session(conn, session_id)
+            return session, [] if session is None else read_messages(conn, session_id)
+
+        found, fields = await self.direct.read(read)
+        if found is None:
+            raise NotFound("session not found")
+        return found, [MessageRecord(**message) for message in fields]
+
+    def create_session(self, record: SessionRecord) -> Job:
+        return lambda conn: create_session(conn, record.session_id, record.title, record.created_at)
+
+    def append_message(self, session_id: str, role: str, content: str, ids: tuple[int, ...], now: datetime,
+                       finish_reason: str | None, usage: dict[str, Any] | None, unanswered: bool,
+                       answers: int | None, title: str | None) -> Job:
+        return lambda conn: MessageRecord(**append(conn, session_id, role, content, ids, now, finish_reason, usage,
+                                                   unanswered, answers, title))
+
+    def delete_by_session(self, row: type[SessionRow] | type[SnapshotRow], session_id: str) -> Job:
+        table = row.__tablename__
+        return lambda conn: delete_by_session(conn, table, session_id)
+
+    def put_snapshot(self, record: SnapshotRecord) -> Job:
+        values = asdict(record)
+        return lambda conn: put_snapshot(conn, **values)
+
+    async def transaction(self, jobs: Sequence[Job]) -> list[Any]:
+        return await self.direct.write(jobs)
+
+    async def close(self) -> None:
+        await self.direct.close()

@@ -35,13 +35,11 @@ import asyncio
 import contextlib
 import operator
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-from pydantic import BaseModel
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from chatd.domain import (
@@ -54,49 +52,58 @@ from chatd.domain import (
     is_session_id,
 )
 from chatd.errors import BadRequest, NotFound
-from chatd.store import direct as sql
 from chatd.store.db import sqlite_file
-from chatd.store.models import (
-    MAX_TOKEN_ID,
-    Base,
-    EditRow,
-    MessageRow,
-    SessionRow,
-    SnapshotRow,
-    utc,
+from chatd.store.direct import SqliteDirect, SqliteStatements
+from chatd.store.models import MAX_TOKEN_ID, EditRow, MessageRow, SessionRow, SnapshotRow, utc
+from chatd.store.orm import (
+    NO_SYNC,
+    OrmStatements,
+    message_record,
+    new_message,
+    record_of,
+    update_session,
 )
+from chatd.store.records import EditRecord, MessageRecord
 
-# ORM-enabled UPDATE/DELETE would otherwise look for affected objects in the session; we hold none.
-_NO_SYNC = {"synchronize_session": False}
-_R = TypeVar("_R", "SessionRecord", "SnapshotRecord")
 _T = TypeVar("_T")
 
 
-@dataclass(frozen=True)
-class MessageRecord:
-    message_id: int
-    session_id: str
-    index: int
-    """0-based position in the conversation (for an archived message: where it was)."""
-    role: str
-    content: str
-    token_ids: tuple[int, ...]
-    created_at: datetime
-    finish_reason: str | None
-    usage: dict[str, Any] | None
-    unanswered: bool = False
-    """A user message whose reply is not stored: its turn is running, or ended without storing one."""
+class Statements(Protocol):
+    """A turn's statements on one path: the ORM (:class:`chatd.store.orm.OrmStatements`) or, on a SQLite file, plain
+    sqlite3 on a thread of its own (:class:`chatd.store.direct.SqliteStatements`). The repository picks one at
+    construction and never asks again. Reads run in a transaction of their own; writes are jobs, run in the
+    repository's write groups through :meth:`transaction`. Both write the same bytes and return equal records."""
 
+    async def read_session(self, session_id: str) -> SessionRecord | None: ...
 
-@dataclass(frozen=True)
-class EditRecord:
-    edit_id: int
-    session_id: str
-    index: int
-    """The edited position: messages from here on were archived."""
-    created_at: datetime
-    archived: tuple[MessageRecord, ...]
-    """The messages this edit replaced, ordered by index."""
+    async def read_conversation(self, session_id: str) -> tuple[SessionRecord, list[MessageRecord]]:
+        """The session and its active messages, read together. NotFound."""
+        ...
+
+    def create_session(self, record: SessionRecord) -> Callable[[Any], Any]:
+        """A job inserting the empty session; it raises BadRequest for an id already used."""
+        ...
+
+    def append_message(self, session_id: str, role: str, content: str, ids: tuple[int, ...], now: datetime,
+                       finish_reason: str | None, usage: dict[str, Any] | None, unanswered: bool,
+                       answers: int | None, title: str | None) -> Callable[[Any], Any]:
+        """A job appending the message as :meth:`Repo.append_message` says; it returns its MessageRecord."""
+        ...
+
+    def delete_by_session(self, row: type[SessionRow] | type[SnapshotRow], session_id: str) -> Callable[[Any], Any]:
+        """A job deleting ``row``'s one row keyed by ``session_id``; it returns whether there was one."""
+        ...
+
+    def put_snapshot(self, record: SnapshotRecord) -> Callable[[Any], Any]:
+        """A job recording (or replacing) the session's snapshot; NotFound for an unknown session."""
+        ...
+
+    async def transaction(self, jobs: Sequence[Callable[[Any], Any]]) -> list[Any]:
+        """Run ``jobs`` (made by this object) in one write transaction, in order; their results once it
+        committed. When one raises, the transaction is rolled back and that error raised."""
+        ...
+
+    async def close(self) -> None: ...
 
 
 def _utcnow() -> datetime:
@@ -114,72 +121,9 @@ def _token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
     return ids
 
 
-def _record(cls: type[_R], row: Base) -> _R:
-    # SessionRecord and SnapshotRecord mirror their rows' column names one to one.
-    names = list(cls.model_fields) if issubclass(cls, BaseModel) else [f.name for f in fields(cls)]
-    return cls(**{name: getattr(row, name) for name in names})
-
-
-def _message_record(row: MessageRow) -> MessageRecord:
-    return MessageRecord(
-        message_id=row.id,
-        session_id=row.session_id,
-        index=row.position,
-        role=row.role,
-        content=row.content,
-        token_ids=row.token_ids,
-        created_at=row.created_at,
-        finish_reason=row.finish_reason,
-        usage=row.usage,
-        unanswered=bool(row.unanswered),
-    )
-
-
 def _check_role(role: str) -> None:
     if role not in ROLES:
         raise BadRequest(f"role must be one of {', '.join(ROLES)}")
-
-
-async def _update_session(db: AsyncSession, session_id: str, **values: Any) -> int:
-    """UPDATE the session row (taking its lock) and return its message_count; NotFound if none."""
-    result = await db.execute(
-        update(SessionRow)
-        .where(SessionRow.session_id == session_id)
-        .values(**values)
-        .returning(SessionRow.message_count),
-        execution_options=_NO_SYNC,
-    )
-    count = result.scalar_one_or_none()
-    if count is None:
-        raise NotFound("session not found")
-    return int(count)
-
-
-def _new_message(
-    session_id: str,
-    position: int,
-    role: str,
-    content: str,
-    token_ids: tuple[int, ...],
-    now: datetime,
-    finish_reason: str | None = None,
-    usage: dict[str, Any] | None = None,
-    unanswered: bool = False,
-) -> MessageRow:
-    return MessageRow(
-        session_id=session_id,
-        position=position,
-        role=role,
-        content=content,
-        token_ids=token_ids,
-        num_tokens=len(token_ids),
-        created_at=now,
-        finish_reason=finish_reason,
-        # A copy: the returned record must not change when the caller's dict does.
-        usage=None if usage is None else dict(usage),
-        archived_by_edit=None,
-        unanswered=unanswered,
-    )
 
 
 @dataclass
@@ -230,17 +174,16 @@ class Repo:
         self._queued: list[_Grouped[Any]] = []  # appends waiting for the next group (SQLite)
         self._drainer: asyncio.Task[None] | None = None
         path = sqlite_file(bind.url) if bind is not None and sqlite and direct else None
-        self._direct = None if path is None else sql.SqliteDirect(path)
+        self._statements: Statements = OrmStatements(sessionmaker) if path is None else SqliteStatements(path)
 
     @property
-    def direct(self) -> sql.SqliteDirect | None:
+    def direct(self) -> SqliteDirect | None:
         """The plain sqlite3 path a turn's calls take, or None when they use the ORM."""
-        return self._direct
+        return self._statements.direct if isinstance(self._statements, SqliteStatements) else None
 
     async def close(self) -> None:
         """Release the direct path's connection and thread (the ORM engine is the caller's to dispose)."""
-        if self._direct is not None:
-            await self._direct.close()
+        await self._statements.close()
 
     @contextlib.asynccontextmanager
     async def _writing(self) -> AsyncIterator[AsyncSession]:
@@ -253,11 +196,11 @@ class Repo:
             yield db
 
     async def _in_group(self, job: Callable[[Any], Any]) -> Any:
-        """Run ``job`` in a write transaction: on SQLite in the next group (module docstring), else in one
-        of its own. Returns what it returned, once its transaction committed."""
+        """Run ``job`` (made by the statements backend) in a write transaction: on SQLite in the next group (module
+        docstring), else in one of its own. Returns what it returned, once its transaction committed."""
         if self._write_lock is None:
-            async with self._sessionmaker.begin() as db:
-                return await job(db)
+            (result,) = await self._statements.transaction([job])
+            return result
         entry = _Grouped(job, asyncio.get_running_loop().create_future())
         self._queued.append(entry)
         if self._drainer is None:
@@ -278,13 +221,7 @@ class Repo:
 
     async def _transaction(self, jobs: Sequence[Callable[[Any], Any]]) -> list[Any]:
         """Run grouped jobs in one write transaction, on the path they were made for."""
-        if self._direct is not None:
-            return await self._direct.write(jobs)
-        results: list[Any] = []
-        async with self._sessionmaker.begin() as db:
-            for job in jobs:
-                results.append(await job(db))
-        return results
+        return await self._statements.transaction(jobs)
 
     async def _commit_group(self, group: list[_Grouped[Any]]) -> None:
         try:
@@ -313,16 +250,8 @@ class Repo:
 
     async def _delete_by_session(self, row: type[SessionRow] | type[SnapshotRow], session_id: str) -> bool:
         """Delete the one row of ``row``'s table keyed by ``session_id``; False when there was none."""
-        if self._direct is not None:
-            table = row.__tablename__
-            found: bool = await self._in_group(lambda conn: sql.delete_by_session(conn, table, session_id))
-            return found
-        async with self._writing() as db:
-            deleted = await db.execute(
-                delete(row).where(row.session_id == session_id).returning(row.session_id),
-                execution_options=_NO_SYNC,
-            )
-            return deleted.first() is not None
+        found: bool = await self._in_group(self._statements.delete_by_session(row, session_id))
+        return found
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -334,23 +263,12 @@ class Repo:
         now = self._now()
         record = SessionRecord(session_id=session_id, title=title, created_at=now, updated_at=now,
                                message_count=0, token_count=0)
-        if self._direct is not None:
-            await self._in_group(lambda conn: sql.create_session(conn, session_id, title, now))
-            return record
-        try:
-            async with self._writing() as db:
-                db.add(SessionRow(**record.model_dump()))
-        except IntegrityError as exc:
-            raise BadRequest("session id already exists") from exc
+        await self._in_group(self._statements.create_session(record))
         return record
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
         """The session, or None when there is none with that id."""
-        if self._direct is not None:
-            return await self._direct.read(lambda conn: sql.read_session(conn, session_id))
-        async with self._sessionmaker.begin() as db:
-            row = await db.get(SessionRow, session_id)
-            return None if row is None else _record(SessionRecord, row)
+        return await self._statements.read_session(session_id)
 
     async def list_sessions(
         self, *, limit: int = 50, offset: int = 0, session_ids: Collection[str] | None = None
@@ -370,7 +288,7 @@ class Repo:
             .offset(offset)
         )
         async with self._sessionmaker.begin() as db:
-            return [_record(SessionRecord, row) for row in (await db.scalars(query))]
+            return [record_of(SessionRecord, row) for row in (await db.scalars(query))]
 
     async def count_sessions(self, session_ids: Collection[str] | None = None) -> int:
         """How many sessions exist (of ``session_ids``, when given)."""
@@ -392,12 +310,12 @@ class Repo:
                 .where(SessionRow.session_id == session_id)
                 .values(title=title, updated_at=self._now())
                 .returning(SessionRow),
-                execution_options=_NO_SYNC,
+                execution_options=NO_SYNC,
             )
             row = updated.first()
             if row is None:
                 raise NotFound("session not found")
-            return _record(SessionRecord, row)
+            return record_of(SessionRecord, row)
 
     async def delete_session(self, session_id: str) -> bool:
         """Delete a session with its messages, edits and snapshot record; False if unknown.
@@ -410,41 +328,12 @@ class Repo:
 
     async def get_messages(self, session_id: str) -> list[MessageRecord]:
         """The active conversation, ordered by index (0..message_count-1). NotFound."""
-        if self._direct is not None:
-            _, messages = await self.get_conversation(session_id)
-            return messages
-        async with self._sessionmaker.begin() as db:
-            rows = await db.scalars(
-                select(MessageRow)
-                .where(MessageRow.session_id == session_id, MessageRow.archived_by_edit.is_(None))
-                .order_by(MessageRow.position)
-            )
-            messages = [_message_record(row) for row in rows]
-            if not messages and await db.get(SessionRow, session_id) is None:
-                raise NotFound("session not found")
-            return messages
+        _, messages = await self._statements.read_conversation(session_id)
+        return messages
 
     async def get_conversation(self, session_id: str) -> tuple[SessionRecord, list[MessageRecord]]:
         """The session and its active conversation (as :meth:`get_messages`), read together. NotFound."""
-        if self._direct is not None:
-            def read(conn: Any) -> tuple[SessionRecord | None, list[dict[str, Any]]]:
-                session = sql.read_session(conn, session_id)
-                return session, [] if session is None else sql.read_messages(conn, session_id)
-
-            found, fields = await self._direct.read(read)
-            if found is None:
-                raise NotFound("session not found")
-            return found, [MessageRecord(**message) for message in fields]
-        async with self._sessionmaker.begin() as db:
-            session = await db.get(SessionRow, session_id)
-            if session is None:
-                raise NotFound("session not found")
-            rows = await db.scalars(
-                select(MessageRow)
-                .where(MessageRow.session_id == session_id, MessageRow.archived_by_edit.is_(None))
-                .order_by(MessageRow.position)
-            )
-            return _record(SessionRecord, session), [_message_record(row) for row in rows]
+        return await self._statements.read_conversation(session_id)
 
     async def append_message(
         self,
@@ -474,39 +363,10 @@ class Repo:
             raise BadRequest(f"finish_reason must be one of {', '.join(FINISH_REASONS)}")
         ids = _token_ids(token_ids)
         now = self._now()
-        if self._direct is not None:
-            def append(conn: Any) -> MessageRecord:
-                return MessageRecord(**sql.append(conn, session_id, role, content, ids, now, finish_reason, usage,
-                                                  unanswered, answers, title))
-
-            return await self._in_group(append)
-
-        async def job(db: AsyncSession) -> MessageRecord:
-            # Counting first reserves the index under the session's lock (module docstring).
-            titled = {} if title is None else {"title": func.coalesce(func.nullif(SessionRow.title, ""), title)}
-            new_count = await _update_session(
-                db,
-                session_id,
-                message_count=SessionRow.message_count + 1,
-                token_count=SessionRow.token_count + len(ids),
-                updated_at=now,
-                **titled,
-            )
-            row = _new_message(
-                session_id, new_count - 1, role, content, ids, now, finish_reason, usage, unanswered
-            )
-            if answers is not None:
-                await db.execute(
-                    update(MessageRow)
-                    .where(MessageRow.id == answers, MessageRow.session_id == session_id)
-                    .values(unanswered=False),
-                    execution_options=_NO_SYNC,
-                )
-            db.add(row)
-            await db.flush()
-            return _message_record(row)
-
-        return await self._in_group(job)
+        job = self._statements.append_message(session_id, role, content, ids, now, finish_reason, usage, unanswered,
+                                              answers, title)
+        record: MessageRecord = await self._in_group(job)
+        return record
 
     async def replace_from(
         self, session_id: str, index: int, role: str, content: str, token_ids: Sequence[int], *,
@@ -525,7 +385,7 @@ class Repo:
         ids = _token_ids(token_ids)
         now = self._now()
         async with self._writing() as db:
-            count = await _update_session(db, session_id, updated_at=now)
+            count = await update_session(db, session_id, updated_at=now)
             if not 0 <= index < count:
                 # Leaving the block with an exception rolls the touch of updated_at back.
                 raise BadRequest(f"message index {index} is out of range (0..{count - 1})")
@@ -549,7 +409,7 @@ class Repo:
             # The archived rows must leave the active set before the new row takes their index.
             await db.flush()
 
-            new = _new_message(session_id, index, role, content, ids, now, unanswered=unanswered)
+            new = new_message(session_id, index, role, content, ids, now, unanswered=unanswered)
             db.add(new)
             await db.flush()
             # Recounted from the rows rather than adjusted, so the counts cannot drift.
@@ -562,11 +422,11 @@ class Repo:
                 update(SessionRow)
                 .where(SessionRow.session_id == session_id)
                 .values(message_count=index + 1, token_count=active_tokens),
-                execution_options=_NO_SYNC,
+                execution_options=NO_SYNC,
             )
-            archived = tuple(_message_record(old) for old in replaced)
+            archived = tuple(message_record(old) for old in replaced)
             edit_record = EditRecord(edit.id, session_id, index, edit.created_at, archived)
-            return _message_record(new), edit_record
+            return message_record(new), edit_record
 
     async def list_edits(self, session_id: str) -> list[EditRecord]:
         """The session's edits, oldest first, each with the messages it archived. NotFound."""
@@ -586,7 +446,7 @@ class Repo:
             )
             for row in rows:
                 assert row.archived_by_edit is not None
-                archived[row.archived_by_edit].append(_message_record(row))
+                archived[row.archived_by_edit].append(message_record(row))
             return [
                 EditRecord(e.id, e.session_id, e.position, e.created_at, tuple(archived[e.id]))
                 for e in edits
@@ -601,22 +461,13 @@ class Repo:
         """
         if record.created_at.tzinfo is None:
             raise ValueError("created_at must be timezone-aware")
-        if self._direct is not None:
-            # with the next group of writes (module docstring): one hop to the thread, no ORM on the loop
-            values = asdict(record)
-            await self._in_group(lambda conn: sql.put_snapshot(conn, **values))
-            return
-        async with self._writing() as db:
-            # A no-op write that locks the session row first, so that two puts for one session
-            # cannot both find no record and both insert.
-            await _update_session(db, record.session_id, message_count=SessionRow.message_count)
-            await db.merge(SnapshotRow(**asdict(record)))
+        await self._in_group(self._statements.put_snapshot(record))
 
     async def get_snapshot(self, session_id: str) -> SnapshotRecord | None:
         """The session's snapshot record, or None (also for an unknown session)."""
         async with self._sessionmaker.begin() as db:
             row = await db.get(SnapshotRow, session_id)
-            return None if row is None else _record(SnapshotRecord, row)
+            return None if row is None else record_of(SnapshotRecord, row)
 
     async def delete_snapshot(self, session_id: str) -> bool:
         """Forget the session's snapshot record; False when there was none."""
@@ -628,4 +479,4 @@ class Repo:
             rows = await db.scalars(
                 select(SnapshotRow).order_by(SnapshotRow.created_at, SnapshotRow.session_id)
             )
-            return [_record(SnapshotRecord, row) for row in rows]
+            return [record_of(SnapshotRecord, row) for row in rows]

@@ -274,10 +274,10 @@ def pack_q8_tiles(weight: Q8_0Weight) -> torch.Tensor:
 
 
 def pack_q4_quads(weight: Q4_1Weight) -> torch.Tensor:
-    """A Q4_1 ``[N, K]`` weight in the vector tile kernel's layout (AVX512-VNNI, ``chatd/engine/kernels/tile_matmul.c``):
-    uint8 ``[N / 16, K / 32, 320]``; per tile of 16 outputs by 32 inputs, 4 vectors of 64 bytes (vector v: quad
-    row v in the low nibbles, quad row v + 4 in the high ones, output n's 4 quants at bytes 4n..4n+3), then the
-    16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
+    """A Q4_1 ``[N, K]`` weight in the vector tile kernel's layout (AVX512-VNNI,
+    ``chatd/engine/kernels/tile_matmul.c``): uint8 ``[N / 16, K / 32, 320]``; per tile of 16 outputs by 32 inputs,
+    4 vectors of 64 bytes (vector v: quad row v in the low nibbles, quad row v + 4 in the high ones, output n's 4
+    quants at bytes 4n..4n+3), then the 16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
     n, k = weight.shape
     if n % 16 or k % GROUP_SIZE:
         raise ValueError(f"the tile kernel needs N a multiple of 16 and K of 32, got {n} x {k}")

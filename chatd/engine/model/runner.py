@@ -270,7 +270,7 @@ class ModelRunner:
         pay the kernels' one-time set-up (the bf16 matmul's first call alone takes about half a second on
         this kind of CPU). Returns seconds.
 
-        Called once at start-up, before the engine worker exists (chatd.core), so nothing else is using the
+        Called once at start-up, before the engine worker exists (chatd.service.core), so nothing else is using the
         model; afterwards the worker is its only caller."""
         started = time.monotonic()
         if self.cuda_graphs and self.graphs is None:

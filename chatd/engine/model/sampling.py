@@ -25,7 +25,7 @@ class SamplingError(ValueError):
 
 
 class Overrides(Protocol):
-    """A request's optional sampling fields (the wire's GenerationParams has this shape); None = default."""
+    """A request's optional sampling fields (chatd.service.types.GenerationOptions has this shape); None = default."""
 
     @property
     def max_tokens(self) -> int | None: ...

@@ -2,7 +2,7 @@
 
 One conversation changes one step at a time: a session with a generation (or any other change)
 in progress answers ``busy`` to the next change. The turns themselves are carried out by
-:class:`chatd.turns.TurnRunner` (commit the user message, generate, commit the reply).
+:class:`chatd.service.turns.TurnRunner` (commit the user message, generate, commit the reply).
 
 Turns run as their own tasks, detached from whoever reads them: a reader that disappears only
 cancels the generation; the bookkeeping (committing the partial reply, returning the cache) always
@@ -19,12 +19,12 @@ from typing import Any
 
 from chatd.domain import SessionRecord, Tier, is_session_id, new_session_id
 from chatd.errors import Busy, ChatdError, ContextLengthExceeded, Internal, TooLarge
-from chatd.pool import PrefixPool
-from chatd.protocol import GenerationParams, Message, SessionInfo
-from chatd.stats import Tiers
-from chatd.store.repo import MessageRecord
+from chatd.service.pool import PrefixPool
+from chatd.service.stats import Tiers
+from chatd.service.turns import Conversation, Turn, TurnRunner, require_unicode, to_message
+from chatd.service.types import GenerationOptions, Message, SessionInfo
+from chatd.store.records import MessageRecord
 from chatd.tasks import TaskSet
-from chatd.turns import Conversation, Turn, TurnRunner, require_unicode, to_message
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class SessionService:
         return sum(isinstance(c, Turn) for c in self._claims.values())
 
     def session_info(self, record: SessionRecord) -> SessionInfo:
-        """The wire form of a session: its record and where its cache is now."""
+        """A session's record and where its cache is now."""
         return SessionInfo.of(record, self.tiers.tier(record.session_id))
 
     # ------------------------------------------------------------------ sessions
@@ -147,7 +147,7 @@ class SessionService:
 
     # ------------------------------------------------------------------ turns
 
-    def send(self, session_id: str, content: str, params: GenerationParams | None = None) -> Turn:
+    def send(self, session_id: str, content: str, params: GenerationOptions | None = None) -> Turn:
         """Start a turn: append a user message and generate the reply.
 
         Raises Busy immediately when the session is already changing; everything else (NotFound,
@@ -158,7 +158,7 @@ class SessionService:
         turn.task = asyncio.ensure_future(self._guard(turn, self.turns.send(turn, content, params)))
         return turn
 
-    def edit(self, session_id: str, index: int, content: str, params: GenerationParams | None = None) -> Turn:
+    def edit(self, session_id: str, index: int, content: str, params: GenerationOptions | None = None) -> Turn:
         """Replace message ``index`` and drop the messages after it (kept as edit history).
 
         The turn's result is a TurnResult (a user message was edited: a new reply is generated) or
@@ -168,7 +168,7 @@ class SessionService:
         turn.task = asyncio.ensure_future(self._guard(turn, self.turns.edit(turn, index, content, params)))
         return turn
 
-    def converse(self, session_id: str, messages: Conversation, params: GenerationParams | None = None) -> Turn:
+    def converse(self, session_id: str, messages: Conversation, params: GenerationOptions | None = None) -> Turn:
         """Bring the session to ``messages`` (a whole conversation, ending with a user message) and reply.
 
         Stored messages that equal the caller's are kept; from the first that differs they are replaced, as
@@ -179,10 +179,10 @@ class SessionService:
         turn.task = asyncio.ensure_future(self._guard(turn, self.turns.converse(turn, messages, params)))
         return turn
 
-    def complete(self, messages: Conversation, params: GenerationParams | None = None, *,
+    def complete(self, messages: Conversation, params: GenerationOptions | None = None, *,
                  partition: str = "") -> Turn:
         """Reply to a conversation that is stored nowhere (a stateless request), in a pool cache chosen by
-        its longest shared prefix (:class:`~chatd.pool.PrefixPool`). ``partition`` keeps callers apart: a
+        its longest shared prefix (:class:`~chatd.service.pool.PrefixPool`). ``partition`` keeps callers apart: a
         request takes over only caches of its own partition.
 
         Raises BadRequest or TooLarge immediately for a conversation no turn may take; the turn's

@@ -21,16 +21,17 @@ from datetime import UTC, datetime
 
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
-from chatd.domain import FinishReason, Role, is_valid_unicode
+from chatd.counters import Counters
+from chatd.domain import FinishReason, Role, SessionRecord, is_valid_unicode
 from chatd.engine.model.runner import ModelInfo
 from chatd.engine.model.sampling import SamplingParams
 from chatd.engine.worker import EngineWorker, GenerationFailed, GenerationHandle, GenerationResult, TextPiece
 from chatd.errors import BadRequest, ChatdError, ContextLengthExceeded, NotFound, ReplyNotSaved, TooLarge
 from chatd.kv.manager import KVManager, Lease
 from chatd.kv.prefix import common_prefix_len
-from chatd.protocol import GenerationParams, Message, Usage
-from chatd.stats import Counters
-from chatd.store.repo import MessageRecord, Repo, SessionRecord
+from chatd.service.types import EditResult, GenerationOptions, Message, TurnResult, Usage
+from chatd.store.records import MessageRecord
+from chatd.store.repo import Repo
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +51,14 @@ def _title(content: str) -> str:
 
 
 def to_message(record: MessageRecord, *, with_usage: bool = False) -> Message:
-    """The wire form of a stored message; ``with_usage`` adds an assistant reply's finish reason and usage."""
-    message = Message(index=record.index, role=record.role, content=record.content,  # type: ignore[arg-type]
-                      created_at=record.created_at)
-    if with_usage and record.role == "assistant":
-        message.finish_reason = record.finish_reason  # type: ignore[assignment]
-        message.usage = Usage.model_validate(record.usage) if record.usage else None
-    if with_usage and record.unanswered:
-        message.unanswered = True
-    return message
+    """A stored message; ``with_usage`` adds a reply's finish reason and usage, and a user message's unanswered mark
+    (what a resumed conversation shows)."""
+    reply = with_usage and record.role == "assistant"
+    return Message(index=record.index, role=record.role, content=record.content,  # type: ignore[arg-type]
+                   created_at=record.created_at,
+                   finish_reason=record.finish_reason if reply else None,  # type: ignore[arg-type]
+                   usage=Usage.from_dict(record.usage) if reply and record.usage else None,
+                   unanswered=True if with_usage and record.unanswered else None)
 
 
 def require_unicode(text: str, what: str) -> None:
@@ -91,24 +91,6 @@ async def _settle(task: asyncio.Future[MessageRecord]) -> None:
             raise
     except Exception:
         log.info("storing a message failed while the turn failed for another reason", exc_info=True)
-
-
-@dataclass(frozen=True)
-class TurnResult:
-    session_id: str
-    user_message: Message
-    assistant_message: Message
-    finish_reason: FinishReason
-    usage: Usage
-
-
-@dataclass(frozen=True)
-class EditResult:
-    """An edit of a system or assistant message: nothing is generated."""
-
-    session_id: str
-    message: Message
-    invalidated_from: int
 
 
 class Turn:
@@ -224,7 +206,7 @@ class TurnRunner:
                 f"message of {len(content)} characters exceeds the limit of {self.settings.server.max_message_chars}")
         require_unicode(content, "message content")
 
-    def _resolve(self, params: GenerationParams | None, prompt_len: int) -> SamplingParams:
+    def _resolve(self, params: GenerationOptions | None, prompt_len: int) -> SamplingParams:
         """Resolve sampling params; refuse before any work when the reply cannot fit the context."""
         resolved = SamplingParams.resolve(params, self.settings.generation)
         room = self.info.max_context - prompt_len
@@ -242,7 +224,7 @@ class TurnRunner:
         self.kv.check_fits(prompt_len + resolved.max_tokens)
         return resolved
 
-    async def send(self, turn: Turn, content: str, params: GenerationParams | None) -> None:
+    async def send(self, turn: Turn, content: str, params: GenerationOptions | None) -> None:
         """Append a user message and generate the reply."""
         started = time.monotonic()
         self.check_content(content)
@@ -258,7 +240,7 @@ class TurnRunner:
 
         await self._generate(turn, store(), prompt, resolved, started, invalidated_from=None)
 
-    async def edit(self, turn: Turn, index: int, content: str, params: GenerationParams | None) -> None:
+    async def edit(self, turn: Turn, index: int, content: str, params: GenerationOptions | None) -> None:
         """Replace message ``index``, drop the later ones (kept as edit history) and, for a user message,
         generate a new reply. The cache stays valid up to the first token that changed."""
         started = time.monotonic()
@@ -299,7 +281,7 @@ class TurnRunner:
                 self._check_text(content)
 
     async def complete(self, turn: Turn, prompt: Sequence[int], messages: Conversation,
-                       params: GenerationParams | None) -> None:
+                       params: GenerationOptions | None) -> None:
         """Generate a reply to a conversation that is stored nowhere (a stateless request): ``turn.session_id``
         names an ephemeral cache (never snapshotted) whose longest shared prefix with ``prompt`` is reused.
         ``prompt`` is :meth:`render` of ``messages``."""
@@ -315,7 +297,7 @@ class TurnRunner:
         return self.template.prompt_ids(self.template.message_ids(role, content, index)
                                         for index, (role, content) in enumerate(messages))
 
-    async def converse(self, turn: Turn, messages: Conversation, params: GenerationParams | None) -> None:
+    async def converse(self, turn: Turn, messages: Conversation, params: GenerationOptions | None) -> None:
         """Bring a stored session to the conversation the caller sent, like an edit, and reply to it.
 
         Messages equal (role and content) to the stored ones keep their stored ids, so a reply the server
@@ -452,7 +434,7 @@ class TurnRunner:
         for attempt, delay in enumerate((*REPLY_COMMIT_DELAYS_S, None), 1):
             try:
                 return await self.repo.append_message(session_id, "assistant", text, ids, finish_reason=reason,
-                                                      usage=usage.model_dump(), answers=user.message_id)
+                                                      usage=usage.to_dict(), answers=user.message_id)
             except ChatdError:
                 raise
             except Exception as exc:

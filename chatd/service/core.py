@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatd.chat.template import ChatTemplate
 from chatd.config import Settings
+from chatd.counters import Counters
 from chatd.domain import SessionRecord, Tier, is_session_id
 from chatd.engine.model.runner import ModelRunner
 from chatd.engine.threads import run_in_passing_thread
@@ -26,12 +27,12 @@ from chatd.engine.worker import EngineWorker
 from chatd.errors import BadRequest, NotFound
 from chatd.kv.manager import KVManager
 from chatd.kv.persistence import SnapshotService
-from chatd.protocol import Message, SessionInfo
-from chatd.sessions import SessionService
-from chatd.stats import Counters, Stats, Tiers, build_stats
+from chatd.service.sessions import SessionService
+from chatd.service.stats import Stats, Tiers, build_stats
+from chatd.service.turns import TurnRunner, to_message
+from chatd.service.types import Message, SessionInfo, TurnResult
 from chatd.store import db
 from chatd.store.repo import Repo
-from chatd.turns import TurnResult, TurnRunner, to_message
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ MAX_PAGE_OFFSET = 1_000_000_000
 
 @dataclass(frozen=True)
 class SessionSummary:
-    """A session as an operator sees it: its wire info plus where its cache is and how big."""
+    """A session as an operator sees it: its info plus where its cache is and how big."""
 
     info: SessionInfo
     kv_bytes: int
