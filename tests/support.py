@@ -4,7 +4,11 @@ injection; a reader of a process's resources."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+import socket
+import struct
 import threading
 from pathlib import Path
 
@@ -19,8 +23,78 @@ from devtools.models import CACHE_DIR, ROOT, packaged_model_dir, tiny_model_dir
 from devtools.reference import reference_greedy
 from devtools.servers import LoopbackServer, ServerProcess, free_port
 
-__all__ = ["CACHE_DIR", "ROOT", "InProcessServer", "ServerProcess", "free_port", "packaged_model_dir",
-           "proc_resources", "reference_greedy", "tiny_model_dir"]
+__all__ = [
+    "CACHE_DIR",
+    "ROOT",
+    "InProcessServer",
+    "RawWebSocket",
+    "ServerProcess",
+    "free_port",
+    "packaged_model_dir",
+    "proc_resources",
+    "reference_greedy",
+    "tiny_model_dir",
+]
+
+
+class RawWebSocket:
+    """The client side of a websocket over a blocking socket, by hand: it reads only when told to."""
+
+    def __init__(self, port: int, *, receive_buffer: int | None = None) -> None:
+        """Connect and upgrade; ``receive_buffer`` fixes the socket's receive buffer (no autotuning)."""
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if receive_buffer is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        self.sock.settimeout(60)
+        self.sock.connect(("127.0.0.1", port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall((f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+                           ).encode())
+        self.buffer = b""
+        while b"\r\n\r\n" not in self.buffer:
+            self.buffer += self._recv()
+        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 101"), head
+
+    def _recv(self) -> bytes:
+        data = self.sock.recv(1 << 16)
+        if not data:
+            raise ConnectionError("closed")
+        return data
+
+    def _exactly(self, n: int) -> bytes:
+        while len(self.buffer) < n:
+            self.buffer += self._recv()
+        data, self.buffer = self.buffer[:n], self.buffer[n:]
+        return data
+
+    def send(self, frame: dict[str, object]) -> None:
+        self.send_frame(1, json.dumps(frame).encode())
+
+    def send_frame(self, opcode: int, data: bytes, *, masked: bool = True) -> None:
+        """One final frame of ``opcode`` carrying ``data`` as is (a text frame need not be UTF-8 here)."""
+        size = len(data)
+        mask = os.urandom(4) if masked else b""
+        flag = 0x80 if masked else 0
+        length = bytes([flag | size]) if size < 126 else bytes([flag | 126]) + struct.pack(">H", size)
+        body = bytes(b ^ mask[i % 4] for i, b in enumerate(data)) if masked else data
+        self.sock.sendall(bytes([0x80 | opcode]) + length + mask + body)
+
+    def read(self) -> tuple[int, bytes]:
+        """The next frame: (opcode, payload)."""
+        first, second = self._exactly(2)
+        size = second & 0x7F
+        if size == 126:
+            size = struct.unpack(">H", self._exactly(2))[0]
+        elif size == 127:
+            size = struct.unpack(">Q", self._exactly(8))[0]
+        return first & 0x0F, self._exactly(size)
+
+    def read_json(self) -> dict[str, object]:
+        opcode, payload = self.read()
+        assert opcode == 1, (opcode, payload[:80])
+        return dict(json.loads(payload))
 
 
 class InProcessServer(LoopbackServer):

@@ -23,7 +23,7 @@ from chatd.engine.model.sampling import (
 )
 from chatd.engine.pool.kvcache import KVPool, any_layer_kv, appending
 from chatd.errors import ConfigError
-from chatd.kv import manager
+from chatd.kv import prefix
 from chatd.kv.policy import CacheRecord, CostModel, choose_victims, idle_victims, persist_candidates, prefer_restore
 from chatd.kv.prefix import common_prefix_len, longest_reusable, reusable_prefix
 from chatd.service.types import GenerationOptions
@@ -288,13 +288,13 @@ def test_the_donor_search_compares_whole_prefixes_only_where_a_candidate_could_b
     system = [rng.randrange(49152) for _ in range(1000)]
     sessions = [(f"s{i}", [*system, i, *(rng.randrange(49152) for _ in range(30))]) for i in range(500)]
     compared: list[int] = []
-    counting = manager.reusable_prefix
+    counting = prefix.reusable_prefix
 
     def reusable(cached_ids: list[int], prompt_ids: tuple[int, ...]) -> int:
         compared.append(1)
         return counting(cached_ids, prompt_ids)
 
-    monkeypatch.setattr(manager, "reusable_prefix", reusable)
+    monkeypatch.setattr(prefix, "reusable_prefix", reusable)
     prompt = (*system, 100_000, 5, 6)  # a message of its own, after the shared prompt
     assert longest_reusable(sessions, prompt, 16) == ("s0", 1000)
     assert len(compared) == 1

@@ -8,9 +8,9 @@ from typing import Any, cast
 
 import pytest
 
-from chatd import pool as pool_module
 from chatd.kv.manager import KVManager
 from chatd.kv.prefix import common_prefix_len
+from chatd.service import pool as pool_module
 from chatd.service.pool import PrefixPool
 
 

@@ -18,11 +18,12 @@ import httpx
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from chatd import turns as turns_module
 from chatd.client import ChatClient, ChatError
 from chatd.config import Settings
 from chatd.engine.model.runner import ModelRunner
 from chatd.errors import ReplyNotSaved
+from chatd.server import wiremap
+from chatd.service import turns as turns_module
 from chatd.service.core import Chatd
 from chatd.service.types import GenerationOptions, TurnResult
 from chatd.store.repo import Repo
@@ -80,7 +81,7 @@ async def test_a_reply_that_cannot_be_stored_is_reported_and_its_user_message_ma
     assert [(m.role, m.unanswered) for m in stored] == [("system", False), ("user", True)]
     _, resumed = await svc.resume(sid)
     assert resumed[-1].unanswered is True and resumed[-1].content == "Hello"
-    assert '"unanswered":true' in resumed[-1].model_dump_json(exclude_none=True)
+    assert '"unanswered":true' in wiremap.message(resumed[-1]).model_dump_json(exclude_none=True)
 
     # The next turn sees the marked message, and its own reply is stored and answered.
     result = await svc.send(sid, "Are you there?", PARAMS).wait()

@@ -7,9 +7,7 @@ real ``chatd serve`` over a plain TCP socket that it simply stops reading from.
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import socket
 import struct
 import time
@@ -22,7 +20,7 @@ import pytest
 from chatd.domain import CLOSE_TOO_SLOW
 from chatd.protocol import Token
 from chatd.server.transport import SEND_BUFFER_BYTES, WRITE_BUFFER_BYTES
-from tests.support import ServerProcess, tiny_model_dir
+from tests.support import RawWebSocket, ServerProcess, tiny_model_dir
 
 MAX_TOKENS = 3000  # each generation's limit: within the tiny model's 4,096 positions
 SEND_QUEUE_FRAMES = 64
@@ -31,59 +29,6 @@ SEND_QUEUE_FRAMES = 64
 # The client's receive buffer, fixed before connecting: Linux would otherwise grow it on its own (``tcp_rmem``, up
 # to megabytes), and how far depends on the machine, which let generations finish before anything backed up.
 RECEIVE_BUFFER_BYTES = 4096
-
-
-class RawWebSocket:
-    """The client side of a websocket over a blocking socket, by hand: it reads only when told to."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
-        self.sock.settimeout(60)
-        self.sock.connect(("127.0.0.1", port))
-        key = base64.b64encode(os.urandom(16)).decode()
-        self.sock.sendall((f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
-                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
-                           ).encode())
-        self.buffer = b""
-        while b"\r\n\r\n" not in self.buffer:
-            self.buffer += self._recv()
-        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
-        assert head.startswith(b"HTTP/1.1 101"), head
-
-    def _recv(self) -> bytes:
-        data = self.sock.recv(1 << 16)
-        if not data:
-            raise ConnectionError("closed")
-        return data
-
-    def _exactly(self, n: int) -> bytes:
-        while len(self.buffer) < n:
-            self.buffer += self._recv()
-        data, self.buffer = self.buffer[:n], self.buffer[n:]
-        return data
-
-    def send(self, frame: dict[str, object]) -> None:
-        data = json.dumps(frame).encode()
-        mask = os.urandom(4)
-        size = len(data)
-        header = bytes([0x81]) + (bytes([0x80 | size]) if size < 126 else bytes([0x80 | 126]) + struct.pack(">H", size))
-        self.sock.sendall(header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data)))
-
-    def read(self) -> tuple[int, bytes]:
-        """The next frame: (opcode, payload)."""
-        first, second = self._exactly(2)
-        size = second & 0x7F
-        if size == 126:
-            size = struct.unpack(">H", self._exactly(2))[0]
-        elif size == 127:
-            size = struct.unpack(">Q", self._exactly(8))[0]
-        return first & 0x0F, self._exactly(size)
-
-    def read_json(self) -> dict[str, object]:
-        opcode, payload = self.read()
-        assert opcode == 1, (opcode, payload[:80])
-        return dict(json.loads(payload))
 
 
 @pytest.fixture
@@ -104,7 +49,7 @@ def frames_held(ws: RawWebSocket, session_id: str) -> int:
 
 
 def test_a_reader_that_stops_reading_is_closed_4408_and_its_generations_cancelled(server: ServerProcess) -> None:
-    ws = RawWebSocket(server.port)
+    ws = RawWebSocket(server.port, receive_buffer=RECEIVE_BUFFER_BYTES)
     assert ws.read_json()["type"] == "hello"
     session_ids: list[str] = []
     # Enough generations that together they make at least twice the frames the connection can hold, whatever
