@@ -4,10 +4,9 @@ torch's CPU kernels parallelise through OpenMP (GNU libgomp in the CPU wheels). 
 helper threads for every thread that has started a parallel region, for as long as that thread lives.
 Once the process holds more of these threads than the machine has cores, libgomp stops letting idle
 helpers spin between regions and parks them in the kernel, so each of the hundreds of small parallel
-regions of a decode step waits for a wake-up. Measured on 2 cores, one session at context 256 with q4
-weights and 2 threads: 17-19 ms per decode step on the engine thread alone, 32-34 ms once the model had
-been loaded on another thread that stayed alive (asyncio's executor), or once another thread had made
-one large tensor copy.
+regions of a decode step waits for a wake-up: a decode step then takes nearly twice as long once the model
+was loaded on another thread that stayed alive (asyncio's executor), or once another thread made one large
+tensor copy.
 
 So the model is loaded in a thread that ends right after (:func:`run_in_passing_thread`; its team goes
 with it), the warm-up runs on the engine thread, and chatd's other threads that touch tensors (snapshot

@@ -5,9 +5,8 @@ The event loop hands it work through a queue and gets results back through
 one per session); nothing here blocks the loop. Those calls are made by a second thread, the courier,
 in the order the worker hands them over: waking the loop lets the loop's thread take the interpreter
 lock, and the worker would then wait for it before its next step, while the loop sends the step's frames.
-Measured through the server on the 2-core CPU: 0.24 ms a step with one client, 0.81 ms with 8 and 1.06 ms
-with 16 (6-10 % of the step). The courier waits there instead, and the worker starts its next step (whose
-native part runs without the lock). Work is of two kinds:
+The courier waits there instead, and the worker starts its next step (whose native part runs without the
+lock). Work is of two kinds:
 
 * generations (:meth:`EngineWorker.generate`): each is a prefill of the tokens the cache lacks,
   then decoding until EOS, ``max_tokens``, a stop string or cancellation. Each step is one packed
@@ -146,8 +145,8 @@ class _Call:
 
 _STOP = object()
 # After preparing a turn's cache, how long the engine waits for that turn's job before its next step, so
-# that sessions starting together prefill in one step rather than one step apart (each step of 16
-# decoding sessions is ~40 ms on 2 CPU cores; the job follows its cache within a few ms).
+# that sessions starting together prefill in one step rather than one step apart (the job follows its cache
+# within a few ms; a step of many decoding sessions takes longer than that).
 JOB_WAIT_S = 0.01
 
 
@@ -419,11 +418,9 @@ class EngineWorker:
 
     @staticmethod
     def _use_threads(num_threads: int) -> None:
-        # Decode steps may run on fewer threads than prompt chunks ([model] decode_threads). By default
-        # both use every thread: measured through the server on 2 cores, one stream decoded 54 tok/s on 2
-        # threads and 41 on 1, and 16 clients 250-270 tok/s against 175, with time to first token no worse.
-        # That holds only while this is the one thread running torch's parallel regions
-        # (chatd/engine/threads.py); before that was so, one thread was the faster setting.
+        # Decode steps may run on fewer threads than prompt chunks ([model] decode_threads). By default both use
+        # every thread, the faster setting for one stream and for many, as long as this is the one thread running
+        # torch's parallel regions (chatd/engine/threads.py).
         if torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
 

@@ -190,9 +190,9 @@ def _encode_header(fp: ModelFingerprint, token_ids: Sequence[int], stored_dtype:
 def default_level(stored_dtype: str) -> int:
     """The zstd level a body of ``stored_dtype`` is written with unless the caller says otherwise: 1 for
     float caches (their byte-shuffled sign and exponent planes compress; 3 and 9 gain nothing more), and -3
-    for int8 rows, whose values barely compress (level 1 saves 11 % of the bytes): zstd's negative levels
-    store literal bytes as they are, so a frame decodes at the speed of a copy, 2.6x faster than level 1's
-    (docs/performance.md)."""
+    for int8 rows, whose values barely compress: zstd's negative levels store literal bytes as they are, so a
+    frame decodes at the speed of a copy, much faster than level 1's, for few more bytes (the snapshot codec
+    figure, docs/performance.md)."""
     return FAST_LEVEL if stored_dtype == "int8" else 1
 
 

@@ -2,10 +2,9 @@
 
 Every turn reads its conversation and appends two messages. Through the ORM each of those is an
 async session, several thread hops through aiosqlite and rows turned into objects and then into
-records: about 3 ms of Python on the event loop per call, which sixteen turns starting together
-wait for one after another (16 conversation reads at once took ~70 ms; the grouped appends
-ended 140-300 ms into a burst). Here one call is one hop to a thread that owns a plain sqlite3
-connection and runs the whole transaction there (0.2 ms for the read; 16 at once 2.6 ms).
+records: milliseconds of Python on the event loop per call, which many turns starting together wait for one
+after another. Here one call is one hop to a thread that owns a plain sqlite3 connection and runs the whole
+transaction there, a small fraction of that.
 
 Only what a turn needs goes this way (:class:`SqliteStatements`, which :class:`chatd.store.repo.Repo` chooses
 once, at construction, for a SQLite file): reading a session, its active messages, appending a message, creating

@@ -8,8 +8,8 @@ SQLite's write lock or PostgreSQL's row lock before anything is read. Two writer
 session therefore run one after the other, and SQLite never has to abort a transaction whose
 snapshot went stale. On SQLite, this process's write transactions also queue for an asyncio lock
 before they begin, so they take the database's single write lock in turn: a writer that found it
-taken would wait in SQLite's busy handler, which sleeps in steps of up to 100 ms (16 new turns at
-once took up to 450 ms to store their messages that way). A writer in another process still waits
+taken would wait in SQLite's busy handler, which sleeps in steps of up to 100 ms, so many turns starting
+at once would store their messages hundreds of milliseconds late. A writer in another process still waits
 for the lock (busy timeout) rather than fail.
 
 Appended messages are committed in groups on SQLite: the appends that queue while a transaction runs

@@ -83,8 +83,8 @@ def resolve_weights(setting: str, device: torch.device, config: Any, *, has_gguf
     if not supported:
         return "transformers"
     if has_gguf and device.type == "cpu":
-        # The file's own precision through torch's int4 kernel: 2.5-3x less weight traffic than fp32 per
-        # token, at the precision llama.cpp runs (docs/performance.md has the agreement figures).
+        # The file's own precision: a fraction of fp32's weight traffic per token, at the precision llama.cpp runs
+        # (the agreement figures: python -m benchmarks.quality).
         return "q4"
     # fp32 on the CPU: bf16 and fp16 matmuls are several times slower there and int8 has no fast kernel.
     return "bfloat16" if device.type == "cuda" else "float32"

@@ -35,7 +35,7 @@ from chatd.engine.pool.paged import dequantize_rows
 # Where SDPA runs in bf16 on AMX tiles (LlamaForward.bf16_attention), prompt chunks up to this many tokens attend
 # through the native kernel (one call per layer for every such run and every decode token) and longer ones
 # through SDPA: the kernel's row-by-row walk rereads the cache per query row, where SDPA's blocks share it. Where
-# SDPA runs in fp32 every run takes the kernel, which measured faster for every length (docs/performance.md).
+# SDPA runs in fp32 every run takes the kernel, which is the faster there for every length.
 NATIVE_ATTENTION_MAX_RUN = 64
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,9 +79,9 @@ class LlamaForward:
                                             for p in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         # Every projection runs bf16 to bf16 (q4 and dense bf16 weights): the native path between them.
         self.bf16_projections = all(takes_bf16(linear) for linear in linears)
-        # Over a bf16 pool on a CPU with AMX tiles, the attention of prompt chunks (SDPA) runs in bf16: 2.2-2.6x
-        # faster than widening K/V to fp32 there, and the result is rounded to bf16 for the o projection
-        # anyway. Without AMX, bf16 SDPA is the slower one (docs/performance.md).
+        # Over a bf16 pool on a CPU with AMX tiles, the attention of prompt chunks (SDPA) runs in bf16: faster than
+        # widening K/V to fp32 there, and the result is rounded to bf16 for the o projection anyway. Without AMX,
+        # bf16 SDPA is the slower one.
         self.bf16_attention = device.type == "cpu" and bf16_attention_is_fast()
         # The longest run that attends through the native kernel (when there is one); longer ones take SDPA.
         self.native_attention_max_run = NATIVE_ATTENTION_MAX_RUN if self.bf16_attention else sys.maxsize
@@ -362,8 +362,8 @@ def _decode_tables(caches: Sequence[SessionKV], runs: Sequence[int], starts: Seq
 
 
 def bf16_attention_is_fast() -> bool:
-    """Whether SDPA over bf16 K/V is faster in bf16 than widened to fp32 on this CPU: where it has AMX tiles
-    (measured 2.2-2.6x for a 256-token chunk over 512-2,048 positions); on AVX512-BF16 alone it was slower."""
+    """Whether SDPA over bf16 K/V is faster in bf16 than widened to fp32 on this CPU: where it has AMX tiles; on
+    AVX512-BF16 alone it is slower."""
     if not cpu_features().amx:
         return False
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)

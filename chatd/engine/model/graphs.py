@@ -14,8 +14,7 @@ address, so:
   that no session holds and attend only to it; table columns past a sequence's length are masked out.
 * Attention gathers every row's blocks in one indexed copy per layer (:func:`chatd.engine.pool.paged.gather_blocks`)
   and runs as two batched matmuls around a masked softmax; no Python loop over sessions. Not SDPA: with
-  a mask and a few query rows per KV head, the graphs ran slower than the eager forward at 2,048 tokens
-  on an H200 (60 vs 91 tok/s, one session).
+  a mask and a few query rows per KV head, SDPA made the graphs slower than the eager forward at long contexts.
 * Masked positions still flow through SDPA's weighted sum as ``0 * value``, so every slot must hold a
   finite number: the pool is zeroed once when the graphs are built, before any session exists, and from
   then on slots hold K/V some forward pass wrote.

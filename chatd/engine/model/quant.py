@@ -14,20 +14,17 @@ dequantizes from the same file (the tests check it).
 The matmul kernel, ``torch.ops.aten._weight_int4pack_mm_for_cpu(A, B_packed, 32, scale_zeros)``, computes
 ``A @ W^T`` with ``W[n, k] = (u - 8) * scale[g, n] + zero[g, n]`` for the unsigned 4-bit value ``u`` that was
 packed and ``g = k // 32``; so a Q4_1 block goes in as ``scale = d`` and ``zero = m + 8 * d``. ``A``,
-``scale_zeros`` and the output share one dtype. On this CPU only bfloat16 has a vectorised kernel: fp32
-and fp16 take a scalar fallback that is 40-65x slower (576x576, one row: bf16 0.018 ms, fp32 0.70 ms,
-fp16 1.17 ms). So activations and the scale/zero table are bfloat16, accumulation is fp32 inside the
-kernel and the result is rounded to bfloat16 once, then returned as fp32. Measured on the packaged
-weights the output relative error against ``x @ W_dequant^T`` in fp32 is ~0.3%, of which rounding the
-exact fp32 result to bfloat16 alone is ~0.17%; llama.cpp itself quantizes the activations of a Q4_1
-matmul to 8 bits per 32-block, an error of the same order.
+``scale_zeros`` and the output share one dtype. On the CPU only bfloat16 has a vectorised kernel (fp32 and fp16
+take a scalar fallback, far slower), so activations and the scale/zero table are bfloat16, accumulation is fp32
+inside the kernel and the result is rounded to bfloat16 once, then returned as fp32: an error of the order of
+llama.cpp's own, which quantizes a Q4_1 matmul's activations to 8 bits per 32-block (the quality figures,
+``python -m benchmarks.quality``, bound it).
 
 The Q8_0 LM head goes through the same int4 kernel, exactly: each int8 ``q`` splits into ``16 * hi + lo``
 with ``lo = q & 15`` and ``hi = q >> 4`` (arithmetic shift, -8..7), and the two nibble matrices are laid
 side by side along K (scales ``16 d`` and ``d``, zeros ``0`` and ``8 d``), fed with ``[x, x]``. Requantizing
-to per-row int8 for ``torch.ops.aten._weight_int8pack_mm`` is ~25% faster at one row but 4x less
-accurate (1.1% relative logit error, max 0.33 on logits up to 17); :class:`Int8RowLinear` keeps that
-option for measurement.
+to per-row int8 for ``torch.ops.aten._weight_int8pack_mm`` is a little faster at one row but several times less
+accurate; :class:`Int8RowLinear` keeps that option for measurement.
 
 Packed int4 weights are in a layout chosen for the running CPU's vector width (AVX512 vs AVX2 tile the
 rows differently): pack on the machine that runs them, never store them.
@@ -329,7 +326,7 @@ class Q8_0Linear(torch.nn.Module):
 
     Each int8 quant is split into a high and a low nibble laid side by side along K, so the kernel sees
     an ``[N, 2K]`` int4 weight fed with ``[x, x]``. fp32 ``[..., K]`` in, fp32 ``[..., N]`` out; the same
-    bf16 rounding as :class:`Int4Linear` (measured 0.29% relative logit error vs. fp32, max 0.06).
+    bf16 rounding as :class:`Int4Linear`.
     """
 
     packed: torch.Tensor  # [N, K] uint8 (2K nibbles), layout specific to this CPU

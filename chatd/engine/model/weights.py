@@ -84,12 +84,11 @@ class DenseLinear:
 class PackedBf16Linear:
     """A dense bf16 projection whose weight oneDNN has reordered once, at load, into the blocked layout its
     CPU matmul (AMX tiles or AVX512-BF16) reads. A plain bf16 ``F.linear`` reorders the weight on every
-    call: for this model's small matrices that reorder, not the multiply, was most of the cost
-    (docs/performance.md, "Quick run after the native steps between projections"). The results are those
-    of ``F.linear`` in bf16."""
+    call: for this model's small matrices that reorder, not the multiply, was most of the cost. The results are
+    those of ``F.linear`` in bf16."""
 
-    # The row count oneDNN is told to expect. Any count runs; 16 (a batched decode step) measured as fast
-    # as the best hint for 1 to 512 rows.
+    # The row count oneDNN is told to expect. Any count runs; 16 (a batched decode step) is as fast as the best
+    # hint from 1 to 512 rows.
     _ROWS_HINT = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -135,16 +134,16 @@ class Int8Linear:
         return cls(q.contiguous(), scales.to(torch.bfloat16), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # The CPU kernel is fast only with bf16 activations and scales (fp32 takes a scalar path ~30x slower).
+        # The CPU kernel is fast only with bf16 activations and scales (fp32 takes a scalar path, far slower).
         out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight, self.scales).float()
         return out if self.bias is None else out + self.bias
 
 
 class RowSwitchLinear:
     """One projection held twice: ``small`` for batches of fewer than ``min_rows`` rows (decode), ``large``
-    for bigger ones (prefill chunks, wide decode steps). The weight-only int4 kernel reads 4x fewer bytes
-    than fp32 but its cost grows with every row, while a dense matmul barely notices 16 more rows: on this
-    kind of CPU a prepacked bf16 one overtakes it at about 8 rows, an fp32 one near 20-30."""
+    for bigger ones (prefill chunks, wide decode steps). The weight-only int4 kernel reads a quarter of fp32's
+    bytes but its cost grows with every row, while a dense matmul barely notices more rows, so past some row count
+    the dense one is faster (chatd.engine.model.choices: BF16_TWIN_MIN_ROWS, FP32_TWIN_MIN_ROWS)."""
 
     def __init__(self, small: Linear, large: Linear, min_rows: int) -> None:
         self.small, self.large, self.min_rows = small, large, min_rows
@@ -250,8 +249,8 @@ def weights_from_transformers(model: Any, make_linear: Callable[[torch.Tensor, t
 
 def bf16_matmul_is_fast() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16). There a dense bf16
-    matmul of a few rows or more costs about what reading its weights costs, flat from 4 to 64 rows, where
-    the int4 kernel pays for every row (docs/performance.md, "Decode engine")."""
+    matmul of a few rows or more costs about what reading its weights costs, nearly flat in the rows, where
+    the int4 kernel pays for every row (docs/engine.md, "Weights and kernels")."""
     if not cpu_features().bf16_matmul:  # what the engine may use (CHATD_CPU_ISA may cap it)
         return False
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")

@@ -14,14 +14,14 @@ distributions ship ``madvise``). :func:`advise_huge_pages` asks, per 2 MiB regio
   now rather than whenever the kernel's background scanner gets there. It fails on a region with nothing
   written yet, which is fine: the first advice covers those.
 
-A pool's pages are then faulted in once, ahead of use (:func:`populate_in_background`): on a 2-core VM guest,
-taking a huge page at first write cost ~2.5 ms (the kernel finds and zeroes 2 MiB), and a new session's
-first block touches one per layer, K or V and KV head (180 for the packaged model): ~50 ms of a step or of a
-new session's set-up, where a populated pool costs nothing.
+A pool's pages are then faulted in once, ahead of use (:func:`populate_in_background`): taking a huge page at
+first write costs the kernel finding and zeroing 2 MiB, and a new session's first block touches one per layer,
+K or V and KV head (180 for the packaged model), which would land in a step or in a new session's set-up; a
+populated pool costs nothing there.
 
 A region that the tensors share with other memory of the process is advised whole: that memory only gets
 bigger pages. Where the system says ``never``, or the calls do not exist (not Linux, an old kernel), nothing
-changes. Measured in docs/performance.md ("Huge pages for the weights and the KV pool").
+changes. The figures: docs/performance.md (the huge-pages benchmark, ``python -m benchmarks.huge_pages``).
 """
 
 from __future__ import annotations

@@ -12,15 +12,15 @@ Layout, heads outermost within a layer::
 so a head's slots form one flat ``[num_blocks * block_size, head_dim]`` matrix: a write of many tokens
 is one ``index_copy_`` over flat slots, and a gather of a batch's blocks is one ``index_select`` whose
 result viewed as ``[batch, kv_heads, tokens, head_dim]`` (a free transpose) has every (row, head)
-``[tokens, head_dim]`` slab contiguous, which is what SDPA's CPU kernel reads fastest. Measured on this
-CPU (batch 8-16, 1,024 tokens, one layer): per-block ``[num_blocks, kv_heads, block_size, head_dim]``
-needs a permuting copy after the gather (1.5-4x slower); token-major ``[num_blocks, block_size,
-kv_heads, head_dim]`` gathers as fast but SDPA on its interleaved heads ran 1.1-3x slower.
+``[tokens, head_dim]`` slab contiguous, which is what SDPA's CPU kernel reads fastest. The alternatives are
+slower: per-block ``[num_blocks, kv_heads, block_size, head_dim]`` needs a permuting copy after the gather;
+token-major ``[num_blocks, block_size, kv_heads, head_dim]`` gathers as fast but SDPA reads its interleaved
+heads more slowly.
 
 Attention functions make one gather and one ``scaled_dot_product_attention`` call per layer for the
 whole batch: no Python loop over sequences. Grouped-query attention folds each KV head's query heads
 into the query-length axis (``[batch, kv_heads, group * queries, head_dim]``) instead of passing
-``enable_gqa``: same result, and on this CPU SDPA with ``enable_gqa`` ran 1.1-1.6x slower. The same
+``enable_gqa``: same result, and SDPA with ``enable_gqa`` runs slower on the CPU. The same
 torch code runs on CUDA (SDPA picks its kernel); a fused paged kernel can replace it there later
 behind the same signatures.
 
