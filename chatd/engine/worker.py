@@ -110,6 +110,8 @@ class _Job:
     pending: int | None = None  # sampled, not yet fed
     generated: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    unsent: int = 0  # how many of ``text``'s last pieces are not emitted yet (stream_interval_s)
+    last_sent_at: float | None = None
     first_token_at: float | None = None
     prefill_done_at: float | None = None
 
@@ -154,9 +156,11 @@ class EngineWorker:
     """Owns the device. Start once, submit from the event loop, stop at shutdown."""
 
     def __init__(self, runner: ModelRunner, *, prefill_chunk_tokens: int = 256, max_batch_size: int = 16,
-                 counters: Counters | None = None, decode_threads: int = 0) -> None:
+                 counters: Counters | None = None, decode_threads: int = 0, stream_interval_s: float = 0.0) -> None:
         """``decode_threads``: torch threads for decode steps; 0 = the same as prefill's. Prefill uses
-        whatever torch is set to when the worker is made (``[model] threads``)."""
+        whatever torch is set to when the worker is made (``[model] threads``). ``stream_interval_s``: the least
+        time between two text pieces of one generation (its first piece goes at once; text decoded meanwhile
+        waits for the next piece, and the last piece goes with the end)."""
         self.runner = runner
         # The event loop encodes with runner.tokenizer while this thread decodes; a fast tokenizer is
         # one Rust object that must not be borrowed from two threads at once, so decode with a copy.
@@ -165,6 +169,7 @@ class EngineWorker:
                                                     max_batch_size=max_batch_size)
         self.prefill_threads = torch.get_num_threads()
         self.decode_threads = decode_threads or self.prefill_threads
+        self.stream_interval_s = stream_interval_s
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # Deliveries to event loops, in order: (loop, callback, args); None ends the courier thread.
@@ -469,7 +474,9 @@ class EngineWorker:
         piece = job.stopper.feed(job.detok.push(token_id))
         if piece:
             job.text.append(piece)
-            job.emit(TextPiece(piece))
+            job.unsent += 1
+            if job.last_sent_at is None or now - job.last_sent_at >= self.stream_interval_s:
+                self._send_text(job, now)
         if job.stopper.stopped:
             self._finish(job, "stop", by_string=True)
             return False
@@ -482,14 +489,22 @@ class EngineWorker:
         job.pending = token_id
         return True
 
+    def _send_text(self, job: _Job, now: float) -> None:
+        """Emit the text generated since the last piece sent, as one piece."""
+        if job.unsent:
+            job.emit(TextPiece("".join(job.text[-job.unsent:])))
+            job.unsent = 0
+            job.last_sent_at = now
+
     def _finish(self, job: _Job, reason: FinishReason, *, by_string: bool = False) -> None:
         if not by_string:
             tail = job.stopper.feed(job.detok.flush()) + job.stopper.flush()
             if tail:
                 job.text.append(tail)
-                job.emit(TextPiece(tail))
-        content = [t for t in job.generated if t not in job.eos_ids]
+                job.unsent += 1
         now = time.monotonic()
+        self._send_text(job, now)
+        content = [t for t in job.generated if t not in job.eos_ids]
         job.emit(GenerationResult(
             generated_ids=tuple(job.generated), content_ids=tuple(content), text="".join(job.text),
             finish_reason=reason, cache_length=job.cache.length, stopped_by_string=by_string,
@@ -499,4 +514,5 @@ class EngineWorker:
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         log.exception("generation failed", exc_info=exc)
+        self._send_text(job, time.monotonic())
         job.emit(GenerationFailed(Internal("generation failed")))

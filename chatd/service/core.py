@@ -142,7 +142,8 @@ class Chatd:
         phase("warming up")
         worker = EngineWorker(runner, decode_threads=settings.model.decode_threads,
                               prefill_chunk_tokens=settings.model.prefill_chunk_tokens,
-                              max_batch_size=settings.model.max_batch_size, counters=counters)
+                              max_batch_size=settings.model.max_batch_size, counters=counters,
+                              stream_interval_s=settings.server.stream_interval_ms / 1000)
         worker.start()
         if warm:
             log.info("warming up the engine")
