@@ -303,7 +303,7 @@ def test_q4_steps_between_projections_run_natively_with_torchs_results(real_runn
     assert real_runner.forward is not None and real_runner.forward.kernels is not None
     # The torch int4 path with the bf16 dense twin, as a CPU with bf16 matmul units runs it where it has no
     # tile kernel (taken here on any CPU: the twin's products are the same, only slower without those units).
-    monkeypatch.setattr("chatd.engine.model.runner.bf16_matmul_is_fast", lambda: True)
+    monkeypatch.setattr("chatd.engine.model.choices.bf16_matmul_is_fast", lambda: True)
     forward = gguf_forward(torch.device("cpu"), real_runner.model)
     assert forward.bf16_projections
     runner = ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, forward)
