@@ -1,11 +1,11 @@
-"""The native kernels (chatd/engine/kernels/decode_attention.c, tile_matmul.c, step.c, planes.c): built once per machine
-and cached; decode attention equal to torch's over the same block tables, and used by the compact forward's decode
-steps with the same greedy tokens as without it; the element-wise steps equal to torch's; the Q4_1 and
-Q8_0 tile matmuls (AMX tiles, AVX512-VNNI and AVX2 vectors, each where the CPU has it) equal to their references:
-the bf16 dequantised weights (AMX), the exact weights times x rounded to int8 per block (VNNI, AVX2); where the
-CPU has AVX512, the attention and element-wise kernels also as built for AVX2 alone (x86-64-v3); a whole q4
-step in one native call equal to the loop over layers, bit for bit; the snapshot codec's byte-plane split and
-join (planes.c) equal to numpy's."""
+"""The native kernels (chatd/engine/kernels/decode_attention.c, tile_matmul.c, step.c; the byte planes,
+chatd/kv/planes.c): built once per machine and cached; decode attention equal to torch's over the same block
+tables, and used by the compact forward's decode steps with the same greedy tokens as without it; the element-wise
+steps equal to torch's; the Q4_1 and Q8_0 tile matmuls (AMX tiles, AVX512-VNNI and AVX2 vectors, each where the CPU
+has it) equal to their references: the bf16 dequantised weights (AMX), the exact weights times x rounded to int8 per
+block (VNNI, AVX2); where the CPU has AVX512, the attention and element-wise kernels also as built for AVX2 alone
+(x86-64-v3); a whole q4 step in one native call equal to the loop over layers, bit for bit; the snapshot codec's
+byte-plane split and join (planes.c, a library of its own) equal to numpy's."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 it and the element-wise steps between a layer's projections (``decode_attention.c``), the Q4_1 and
 Q8_0 matmuls on AMX tiles, AVX512-VNNI vectors or AVX2 ones (``tile_matmul.c``), and a whole forward step of the q4
 model made of those in one call (``step.c``); and, for the KV snapshot codec, the split of a head slab into
-byte planes and their join back (``planes.c``).
+byte planes and their join back (``chatd/kv/planes.c``, beside the codec: a library of its own, built beside the
+kernels', whose functions :class:`EngineKernels` forwards to as the codec's ``PlaneKernels``).
 
 They are compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for this very CPU
 (``-march=native``), cached under ``<data_dir>/native`` by a hash of the source, the flags, the compiler
@@ -35,8 +36,9 @@ from chatd.engine.pool.paged import INT8_SCALE_BYTES
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "tile_matmul.c", "step.c",
-                                                                    "planes.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "tile_matmul.c", "step.c"))
+PLANES_SOURCE = Path(__file__).parent.parent.parent / "kv" / "planes.c"
+PLANES_HEADER = PLANES_SOURCE.with_suffix(".h")
 # The pool dtypes the attention and the K/V write take, and their kv_type codes (decode_attention.c); an int8
 # pool's positions are rows of head_dim values and their fp32 scale (chatd.engine.pool.paged.quantize_rows).
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -51,6 +53,8 @@ COMPILE_FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fP
 # AMD's Zen 3) to run the AVX2 kernels on a machine that has AVX512 too.
 NATIVE_ARCH = "native"
 LINK_FLAGS = ("-shared", "-fopenmp")
+# The byte planes' library: for this very CPU, as the engine sees it (CHATD_CPU_ISA=avx2 builds for x86-64-v3).
+PLANES_FLAGS = ("-O3", "-fPIC", "-c")
 BUILD_TIMEOUT_S = 120
 
 
@@ -76,9 +80,11 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(cache_dir: Path, arch: str = NATIVE_ARCH) -> Path:
-    """The compiled library for this machine (``-march=arch``), building it into ``cache_dir`` unless it is
-    there already. Raises RuntimeError (no compiler, or the build failed)."""
+def _build_library(cache_dir: Path, stem: str, sources: tuple[Path, ...], flags: tuple[str, ...],
+                   link_flags: tuple[str, ...], what: str) -> Path:
+    """The shared library ``sources`` make, compiled with ``flags``, building it into ``cache_dir`` unless it is
+    there already (keyed by the sources' text, the flags, the compiler and this CPU). Raises RuntimeError (no
+    compiler, or the build failed)."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install cc)")
@@ -87,20 +93,20 @@ def build(cache_dir: Path, arch: str = NATIVE_ARCH) -> Path:
                                  check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"the C compiler {compiler} does not run: {exc}") from None
-    texts = [source.read_text() for source in SOURCES]
-    flags = (*_arch_flags(arch), *COMPILE_FLAGS)
-    key = hashlib.sha256("\0".join([*texts, *flags, *LINK_FLAGS, version, platform.machine(),
+    texts = [source.read_text() for source in sources]
+    key = hashlib.sha256("\0".join([*texts, *flags, *link_flags, version, platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]
-    target = cache_dir / f"engine-kernels-{key}.so"
+    target = cache_dir / f"{stem}-{key}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
         built = Path(scratch) / target.name
-        objects = [str(Path(scratch) / f"{source.stem}.o") for source in SOURCES]
+        compiled = [source for source in sources if source.suffix == ".c"]
+        objects = [str(Path(scratch) / f"{source.stem}.o") for source in compiled]
         commands = [([compiler, *flags, str(source), "-o", obj], source.name)
-                    for source, obj in zip(SOURCES, objects, strict=True)]
-        commands.append(([compiler, *LINK_FLAGS, *objects, "-o", str(built), "-lm"], target.name))
+                    for source, obj in zip(compiled, objects, strict=True)]
+        commands.append(([compiler, *link_flags, *objects, "-o", str(built), "-lm"], target.name))
         for command, name in commands:
             try:
                 result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
@@ -109,14 +115,30 @@ def build(cache_dir: Path, arch: str = NATIVE_ARCH) -> Path:
             if result.returncode != 0:
                 raise RuntimeError(f"building {name} failed:\n{result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a concurrent start sees the whole library or none
-    log.info("built the native engine kernels: %s", target)
+    log.info("built %s: %s", what, target)
     return target
 
 
+def build(cache_dir: Path, arch: str = NATIVE_ARCH) -> Path:
+    """The compiled library for this machine (``-march=arch``), building it into ``cache_dir`` unless it is
+    there already. Raises RuntimeError (no compiler, or the build failed)."""
+    return _build_library(cache_dir, "engine-kernels", SOURCES, (*_arch_flags(arch), *COMPILE_FLAGS), LINK_FLAGS,
+                          "the native engine kernels")
+
+
+def build_planes(cache_dir: Path) -> Path:
+    """The snapshot codec's byte-plane library (``chatd/kv/planes.c``), compiled for this CPU after
+    ``CHATD_CPU_ISA``'s cap, building it into ``cache_dir`` unless it is there already. Raises RuntimeError."""
+    return _build_library(cache_dir, "snapshot-planes", (PLANES_SOURCE, PLANES_HEADER),
+                          (*_arch_flags(NATIVE_ARCH), *PLANES_FLAGS), ("-shared",), "the snapshot codec's byte planes")
+
+
 class EngineKernels:
-    """The compact forward's native steps over the pool's fp32 K/V, each one call per layer for all rows."""
+    """The compact forward's native steps over the pool's fp32 K/V, each one call per layer for all rows, and the
+    snapshot codec's byte planes (:class:`chatd.kv.snapshot_frames.PlaneKernels`)."""
 
     def __init__(self, library: Path) -> None:
+        """``library``: :func:`build`'s. The byte planes' own library is built beside it (:func:`build_planes`)."""
         lib = ctypes.CDLL(str(library))
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._decode_attention = lib.chatd_decode_attention
@@ -153,10 +175,11 @@ class EngineKernels:
         self._attention_parts = lib.chatd_decode_attention_parts
         self._attention_parts.argtypes = [i32, i32, i32]
         self._attention_parts.restype = i32
-        self._join_planes = lib.chatd_join_planes
+        planes = ctypes.CDLL(str(build_planes(library.parent)))
+        self._join_planes = planes.chatd_join_planes
         self._join_planes.argtypes = [p, p, i64, i32]
         self._join_planes.restype = i32
-        self._split_planes = lib.chatd_split_planes
+        self._split_planes = planes.chatd_split_planes
         self._split_planes.argtypes = [p, p, i64, i32]
         self._split_planes.restype = i32
 
