@@ -1,6 +1,6 @@
 /* The byte planes of the KV snapshot codec (planes.c): the library's exported functions. The engine's loader
  * (chatd/engine/kernels/loader.py) builds planes.c into a library of its own, for this very CPU, and binds these
- * with ctypes. */
+ * with ctypes (tests/test_kernel_header.py checks its argtypes against the prototypes here). */
 #ifndef CHATD_PLANES_H
 #define CHATD_PLANES_H
 
