@@ -5,10 +5,11 @@ AVX2-only machine (AMD Zen 3, Intel before Skylake-SP) runs them on a host that 
 
 - ``native`` (the default): everything this CPU has;
 - ``avx512``: no AMX tiles (an AVX-512 CPU such as AMD Zen 4 or Intel Ice Lake);
-- ``avx2``: no AVX-512 and no AMX (the native kernels are built for ``x86-64-v3``: AVX2, FMA, F16C).
+- ``avx2``: no AVX-512 and no AMX (x86-64-v3's vector units: AVX2, FMA, F16C).
 
-The cap reaches every place that picks a path by the CPU: the native kernels' build (:attr:`CpuFeatures.arch`),
-the choice of bf16 matmuls and attention, and, through :func:`library_environment`, torch's own kernels
+The cap reaches every place that picks a path by the CPU: the native kernels' dispatch table (which variants of the
+one library run, chatd.engine.kernels.loader) and the byte planes' build (:attr:`CpuFeatures.arch`), the choice of
+bf16 matmuls and attention, and, through :func:`library_environment`, torch's own kernels
 (``ATEN_CPU_CAPABILITY``) and oneDNN's (``ONEDNN_MAX_CPU_ISA``), which read their variables once, before
 torch's first operation: ``chatd serve`` and the test suite export them before importing torch.
 
@@ -51,7 +52,7 @@ class CpuFeatures:
 
     @property
     def avx2(self) -> bool:
-        """AVX2 with FMA and F16C (x86-64-v3): the native kernels' vector paths."""
+        """AVX2 with FMA and F16C (x86-64-v3): the native kernels' AVX2 variants."""
         return {"avx2", "fma", "f16c"} <= self.flags
 
     @property
@@ -77,7 +78,8 @@ class CpuFeatures:
 
     @property
     def arch(self) -> str:
-        """The ``-march`` the native kernels are built with: this very CPU, or the cap's class."""
+        """The ``-march`` the byte planes' library is built with: this very CPU, or the cap's class. (The kernels'
+        library is built for every class at once, and the cap chooses among its variants at load.)"""
         if self.cap == "avx2" and self.x86:
             return "x86-64-v3"
         return "native"

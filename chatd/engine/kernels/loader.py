@@ -1,14 +1,24 @@
-"""The engine's native CPU kernels: RoPE with the K/V write into the paged pool, decode attention over
-it and the element-wise steps between a layer's projections (``decode_attention.c``), the Q4_1 and
-Q8_0 matmuls on AMX tiles, AVX512-VNNI vectors or AVX2 ones (``tile_matmul.c``), and a whole forward step of the q4
-model made of those in one call (``step.c``); and, for the KV snapshot codec, the split of a head slab into
-byte planes and their join back (``planes.c``).
+"""The engine's native CPU kernels: RoPE with the K/V write into the paged pool, decode attention over it, the
+element-wise steps between a layer's projections, the Q4_1 and Q8_0 tile matmuls, and a whole forward step of the q4
+model made of those in one call; and, for the KV snapshot codec, the split of a head slab into byte planes and their
+join back (``chatd/kv/planes.c``).
 
-They are compiled on first use with the machine's C compiler (``cc``, or ``$CC``) for this very CPU
-(``-march=native``), cached under ``<data_dir>/native`` by a hash of the source, the flags, the compiler
-and the CPU, and loaded with ctypes; a restart loads the cached library. Where no compiler is found or
-the build fails, :func:`load_kernels` says why in the log and returns None, and the engine keeps
-its torch path (one SDPA call per session).
+The kernels are one C library laid out as ggml lays out its CPU backend (``chatd_kernels.h`` lists the files): one
+header with every exported function; per op family (attention, elementwise, matmul) an ISA-independent file, a
+portable scalar reference, and one file per instruction set with only the vector loops, each compiled with that
+set's ``-m`` flags (:data:`SOURCES`). So the library built on any x86-64 machine holds every variant, and the variant
+runs is chosen at load: :class:`EngineKernels` fills a dispatch table (a struct of function pointers, its own) from
+the CPU features :func:`chatd.engine.kernels.cpu.cpu_features` grants, after ``CHATD_CPU_ISA``'s cap, or from a
+smaller class a caller names (``arch``: the tests run every variant this CPU can). Elsewhere than x86-64 only the
+portable files are built. The ctypes signatures are :data:`SIGNATURES`, which tests/test_kernel_header.py checks
+against the header's prototypes.
+
+Everything is compiled on first use with the machine's C compiler (``cc``, or ``$CC``), tuned for this CPU
+(``-mtune=native``), cached under ``<data_dir>/native`` by a hash of the sources, the flags, the compiler and the
+CPU, and loaded with ctypes; a restart loads the cached library. Where no compiler is found or the build fails,
+:func:`load_kernels` says why in the log and returns None, and the engine keeps its torch path (one SDPA call per
+session). The byte planes are a library of their own, compiled for this very CPU (``-march``), whose loops the
+compiler vectorises.
 
 The library is linked against ``libgomp.so.1``, which torch has already loaded by then: the dynamic
 loader reuses it, so the kernel's threads are torch's own thread pool and honour
@@ -25,33 +35,112 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from chatd.engine.kernels.cpu import cpu_features
+from chatd.engine.kernels.cpu import ISA_ENV, cpu_features
 from chatd.engine.pool.paged import INT8_SCALE_BYTES
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "tile_matmul.c", "step.c",
-                                                                    "planes.c"))
-# The pool dtypes the attention and the K/V write take, and their kv_type codes (decode_attention.c); an int8
-# pool's positions are rows of head_dim values and their fp32 scale (chatd.engine.pool.paged.quantize_rows).
-_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-# chatd_q4_matmul_kind()'s answers
-_TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx", 3: "avx2"}
+KERNELS_DIR = Path(__file__).parent
+HEADER = KERNELS_DIR / "chatd_kernels.h"
+HEADERS = (HEADER, *(KERNELS_DIR / name for name in ("kernels_impl.h", "simd_avx2.h", "simd_avx512.h")))
+PLANES_SOURCE = KERNELS_DIR.parent.parent / "kv" / "planes.c"
+PLANES_HEADER = PLANES_SOURCE.with_suffix(".h")
+
+# The instruction sets the library's files are compiled for: each file's -m flags.
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl")
+_VNNI = (*_AVX512, "-mavx512vnni")
+ISA_FLAGS: dict[str, tuple[str, ...]] = {"portable": (), "avx2": _AVX2, "avx512": _AVX512, "avx512-vnni": _VNNI,
+                                         "amx": (*_VNNI, "-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16")}
+
+
+class Source(NamedTuple):
+    """A file of the library and the instruction set it is compiled for (a key of :data:`ISA_FLAGS`)."""
+
+    path: Path
+    isa: str
+
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+# Every file of the library: the ISA-independent ones and the portable references (any CPU), then, on x86-64, the
+# vector variants. dispatch.c is told which (CHATD_X86_VARIANTS) and chooses among them at load.
+SOURCES: tuple[Source, ...] = (
+    *(Source(KERNELS_DIR / name, "portable") for name in (
+        "dispatch.c", "attention.c", "elementwise.c", "matmul.c", "step.c",
+        "attention_scalar.c", "elementwise_scalar.c", "matmul_scalar.c")),
+    *(Source(KERNELS_DIR / name, isa) for name, isa in (
+        ("attention_avx2.c", "avx2"), ("elementwise_avx2.c", "avx2"), ("matmul_avx2.c", "avx2"),
+        ("attention_avx512.c", "avx512"), ("elementwise_avx512.c", "avx512"), ("matmul_avx512.c", "avx512-vnni"),
+        ("matmul_amx.c", "amx")) if X86),
+)
+_DEFINES = ("-DCHATD_X86_VARIANTS",) if X86 else ()
 # -ffast-math lets the dot products and the exp loop vectorise (reassociation, glibc's vector expf). It is
 # given to the compile step only: linked with it, gcc adds start-up code that switches the whole process
 # to flush-to-zero for denormals, which changes torch's own arithmetic.
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c")
-# The instruction set compiled for: this very CPU, as the engine sees it (chatd.engine.kernels.cpu: CHATD_CPU_ISA=avx2
-# builds for x86-64-v3). The tests also build for x86-64-v3 (AVX2, FMA, F16C: a CPU without AVX512, such as
-# AMD's Zen 3) to run the AVX2 kernels on a machine that has AVX512 too.
-NATIVE_ARCH = "native"
+# Each file is scheduled for this very CPU, as a -march=native build schedules it (the instructions a file may use
+# are its instruction set's alone): gcc's tuning decides, for one, whether a product and a sum carried from one
+# iteration to the next are fused, so it is part of what the tests pin (greedy outputs, snapshot bytes).
+TUNE_FLAGS = ("-mtune=native",) if X86 else ()
 LINK_FLAGS = ("-shared", "-fopenmp")
+# The byte planes' library: for this very CPU, as the engine sees it (CHATD_CPU_ISA=avx2 builds for x86-64-v3).
+PLANES_FLAGS = ("-O3", "-fPIC", "-c")
 BUILD_TIMEOUT_S = 120
+
+NATIVE_ARCH = "native"
+
+# The CPU features the variants use: the dispatch table's bits (chatd_kernels.h's CHATD_CPU_*), by /proc/cpuinfo's
+# names, each with the features it needs besides (a file of AVX-512 is also compiled with AVX2's flags).
+_FEATURES: tuple[tuple[int, str, frozenset[str], int], ...] = (
+    (1, "AVX2", frozenset({"avx2", "fma", "f16c"}), 0),
+    (2, "AVX-512", frozenset({"avx512f", "avx512bw", "avx512vl"}), 1),
+    (4, "AVX512-VNNI", frozenset({"avx512_vnni"}), 1 | 2),
+    (8, "AVX512-BF16", frozenset({"avx512_bf16"}), 1 | 2),
+    (16, "AMX", frozenset({"amx_tile", "amx_int8", "amx_bf16"}), 1 | 2 | 4 | 8),
+)
+# The CPU classes a caller may run the kernels as (load_kernels' arch, besides NATIVE_ARCH: the CPU's own best):
+# the feature bit the class needs, and the bits it may use. "scalar" is a CPU without AVX2: the portable
+# references, and no tile matmul (the engine keeps torch's int4 matmul there).
+VARIANTS: dict[str, tuple[int, int]] = {"amx": (16, 31), "avx512": (2, 15), "avx2": (1, 1), "scalar": (0, 0)}
+# chatd_kernels_isa()'s answers, and chatd_q4_matmul_kind()'s
+_ISAS = {0: "scalar", 1: "avx2", 2: "avx512"}
+_TILE_KINDS: dict[int, str | None] = {0: None, 1: "avx512-vnni", 2: "amx", 3: "avx2", 4: "scalar"}
+# The pool dtypes the attention and the K/V write take, and their kv_type codes (CHATD_KV_*); an int8 pool's
+# positions are rows of head_dim values and their fp32 scale (chatd.engine.pool.paged.quantize_rows).
+_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+# The exported functions' ctypes signatures, (restype, argtypes), as chatd_kernels.h and chatd/kv/planes.h declare
+# them (tests/test_kernel_header.py compares the two).
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "chatd_kernels_size": (_i64, []),
+    "chatd_kernels_init": (None, [_p, _i32]),
+    "chatd_kernels_isa": (_i32, [_p]),
+    "chatd_q4_matmul_kind": (_i32, [_p]),
+    "chatd_q4_matmul_select": (_i32, [_p, _i32]),
+    "chatd_q4_matmul_amx_rows": (_i32, [_p, _i32]),
+    "chatd_q4_matmul": (_i32, [_p, _p, _i32, _i32, _p, _i32, _i32, _p, _i32]),
+    "chatd_decode_attention_limits": (_i32, [_i32, _i32, _i32]),
+    "chatd_decode_attention_parts": (_i32, [_i32, _i32, _i32]),
+    "chatd_decode_attention": (None, [_p, _p, _i64, _p, _p, _p, _p, _i64, _p, _i64, _p, _i32, _i32, _i32, _i32, _i32,
+                                      _f32, _i32, _i32]),
+    "chatd_rope_write": (None, [_p, _p, _i64, _p, _p, _p, _p, _p, _i64, _p, _i32, _i32, _i32, _i32, _i32, _i32]),
+    "chatd_add_rms_norm": (None, [_p, _p, _p, _i64, _p, _f32, _p, _i32, _i32, _i32]),
+    "chatd_silu_mul": (None, [_p, _p, _p, _i32, _i32, _i32]),
+    "chatd_forward_step": (_i32, [_p, _p, _p, _p, _p, _p, _i32, _p, _p, _p, _p, _p, _i64, _p, _p, _i32, _p, _i32]),
+}
+PLANES_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "chatd_join_planes": (_i32, [_p, _p, _i64, _i32]),
+    "chatd_split_planes": (_i32, [_p, _p, _i64, _i32]),
+}
 
 
 def _head_dim(kv: torch.Tensor) -> int:
@@ -59,26 +148,62 @@ def _head_dim(kv: torch.Tensor) -> int:
     return kv.shape[-1] - (INT8_SCALE_BYTES if kv.dtype == torch.int8 else 0)
 
 
-def _cpu_signature() -> str:
-    features = cpu_features()
-    return " ".join(sorted(features.flags)) or platform.processor()
+def _feature_bits(flags: frozenset[str]) -> int:
+    """The dispatch table's CHATD_CPU_* bits for a CPU with ``flags``: each feature it has, with the ones it needs."""
+    bits = 0
+    for bit, _, needs, before in _FEATURES:
+        if needs <= flags and bits & before == before:
+            bits |= bit
+    return bits
 
 
-def _arch_flags(arch: str) -> tuple[str, ...]:
-    """The ``-march`` (and any flag beside it) for ``arch``; ``native`` is this CPU after CHATD_CPU_ISA's cap."""
-    if arch != NATIVE_ARCH:
-        return (f"-march={arch}",)
+def variant_missing(arch: str) -> str | None:
+    """Why this CPU cannot run the kernels as ``arch`` (a key of :data:`VARIANTS`), naming the feature it lacks
+    (after ``CHATD_CPU_ISA``'s cap); None where it can. ValueError for an unknown ``arch``."""
+    if arch == NATIVE_ARCH:
+        return None
+    if arch not in VARIANTS:
+        raise ValueError(f"no kernel variant {arch!r}: expected {NATIVE_ARCH} or one of {', '.join(VARIANTS)}")
     features = cpu_features()
-    return (f"-march={features.arch}", *features.extra_flags)
+    have, needed = _feature_bits(features.flags), VARIANTS[arch][0]
+    wanted = needed | next((before for bit, _, _, before in _FEATURES if bit == needed), 0)
+    for bit, name, flags, _ in _FEATURES:  # prerequisites first
+        if bit & wanted and not bit & have:
+            capped = f" (capped by {ISA_ENV}={features.cap})" if features.cap != "native" else ""
+            return f"this CPU lacks {name} ({', '.join(sorted(flags - features.flags))}){capped}"
+    return None
+
+
+def _dispatch_bits(arch: str) -> int:
+    """The CPU features the kernels run as ``arch`` may use: this CPU's, limited to the class's."""
+    missing = variant_missing(arch)
+    if missing:
+        raise ValueError(f"the kernels cannot run as {arch} here: {missing}")
+    bits = _feature_bits(cpu_features().flags)
+    return bits if arch == NATIVE_ARCH else bits & VARIANTS[arch][1]
 
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(cache_dir: Path, arch: str = NATIVE_ARCH) -> Path:
-    """The compiled library for this machine (``-march=arch``), building it into ``cache_dir`` unless it is
-    there already. Raises RuntimeError (no compiler, or the build failed)."""
+def _host_signature() -> str:
+    """This CPU, for the cache key: its own flags (what -mtune=native and -march=native see)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_library(cache_dir: Path, stem: str, units: Sequence[tuple[Path, tuple[str, ...]]],
+                   inputs: Sequence[Path], link_flags: tuple[str, ...], what: str) -> Path:
+    """The shared library ``units`` (sources and their compile flags) make, building it into ``cache_dir`` unless it
+    is there already, keyed by ``inputs``' text, the flags, the compiler and this CPU. Raises RuntimeError (no
+    compiler, or the build failed)."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install cc)")
@@ -87,78 +212,98 @@ def build(cache_dir: Path, arch: str = NATIVE_ARCH) -> Path:
                                  check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"the C compiler {compiler} does not run: {exc}") from None
-    texts = [source.read_text() for source in SOURCES]
-    flags = (*_arch_flags(arch), *COMPILE_FLAGS)
-    key = hashlib.sha256("\0".join([*texts, *flags, *LINK_FLAGS, version, platform.machine(),
-                                    _cpu_signature()]).encode()).hexdigest()[:16]
-    target = cache_dir / f"engine-kernels-{key}.so"
+    parts = [*(path.read_text() for path in inputs), *(f"{path.name} {' '.join(flags)}" for path, flags in units),
+             *link_flags, version, platform.machine(), _host_signature()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    target = cache_dir / f"{stem}-{key}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
         built = Path(scratch) / target.name
-        objects = [str(Path(scratch) / f"{source.stem}.o") for source in SOURCES]
-        commands = [([compiler, *flags, str(source), "-o", obj], source.name)
-                    for source, obj in zip(SOURCES, objects, strict=True)]
-        commands.append(([compiler, *LINK_FLAGS, *objects, "-o", str(built), "-lm"], target.name))
-        for command, name in commands:
+        objects = [str(Path(scratch) / f"{path.stem}.o") for path, _ in units]
+
+        def run(command: list[str], name: str) -> None:
             try:
                 result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             except (OSError, subprocess.SubprocessError) as exc:
                 raise RuntimeError(f"building {name} failed: {exc}") from None
             if result.returncode != 0:
                 raise RuntimeError(f"building {name} failed:\n{result.stderr.strip()[-2000:]}")
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for done in [pool.submit(run, [compiler, *flags, str(path), "-o", obj], path.name)
+                         for (path, flags), obj in zip(units, objects, strict=True)]:
+                done.result()
+        run([compiler, *link_flags, *objects, "-o", str(built), "-lm"], target.name)
         os.replace(built, target)  # atomic: a concurrent start sees the whole library or none
-    log.info("built the native engine kernels: %s", target)
+    log.info("built %s: %s", what, target)
     return target
 
 
-class EngineKernels:
-    """The compact forward's native steps over the pool's fp32 K/V, each one call per layer for all rows."""
+def build(cache_dir: Path, arch: str = NATIVE_ARCH) -> Path:
+    """The compiled kernels library for this machine, building it into ``cache_dir`` unless it is there already.
+    It holds every variant this machine's architecture has (on x86-64 all of them): ``arch``, the class the caller
+    will run them as (:func:`load_kernels`), is only checked here (ValueError for an unknown one). Raises
+    RuntimeError (no compiler, or the build failed)."""
+    if arch != NATIVE_ARCH and arch not in VARIANTS:
+        raise ValueError(f"no kernel variant {arch!r}: expected {NATIVE_ARCH} or one of {', '.join(VARIANTS)}")
+    units = [(source.path, (*ISA_FLAGS[source.isa], *TUNE_FLAGS, *_DEFINES, *COMPILE_FLAGS)) for source in SOURCES]
+    return _build_library(cache_dir, "engine-kernels", units, [source.path for source in SOURCES] + list(HEADERS),
+                          LINK_FLAGS, "the native engine kernels")
 
-    def __init__(self, library: Path) -> None:
-        lib = ctypes.CDLL(str(library))
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._decode_attention = lib.chatd_decode_attention
-        self._decode_attention.argtypes = [p, i64, p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32,
-                                           ctypes.c_float, i32, i32]
-        self._decode_attention.restype = None
-        self._rope_write = lib.chatd_rope_write
-        self._rope_write.argtypes = [p, i64, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32, i32]
-        self._rope_write.restype = None
-        self._add_rms_norm = lib.chatd_add_rms_norm
-        self._add_rms_norm.argtypes = [p, p, i64, p, ctypes.c_float, p, i32, i32, i32]
-        self._add_rms_norm.restype = None
-        self._silu_mul = lib.chatd_silu_mul
-        self._silu_mul.argtypes = [p, p, i32, i32, i32]
-        self._silu_mul.restype = None
-        self._tile_matmul = lib.chatd_q4_matmul
-        self._tile_matmul.argtypes = [p, i32, i32, p, i32, i32, p, i32]
-        self._tile_matmul.restype = i32
-        # Which units run tile_matmul: AMX tiles (compiled in, as the CPU has them, and granted to this
-        # process by the kernel), else AVX512-VNNI vectors, else AVX2 vectors, else none.
-        self._select_tile_matmul = lib.chatd_q4_matmul_select
-        self._select_tile_matmul.argtypes = [i32]
-        self._select_tile_matmul.restype = i32
-        self.tile_matmul_kind: str | None = _TILE_KINDS[lib.chatd_q4_matmul_kind()]
-        self._amx_rows = lib.chatd_q4_matmul_amx_rows
-        self._amx_rows.argtypes = [i32]
-        self._amx_rows.restype = i32
-        self._forward_step = lib.chatd_forward_step
-        self._forward_step.argtypes = [p, p, p, p, p, i32, p, p, p, p, p, i64, p, p, i32, p, i32]
-        self._forward_step.restype = i32
-        self._limits = lib.chatd_decode_attention_limits
-        self._limits.argtypes = [i32, i32, i32]
-        self._limits.restype = i32
-        self._attention_parts = lib.chatd_decode_attention_parts
-        self._attention_parts.argtypes = [i32, i32, i32]
-        self._attention_parts.restype = i32
-        self._join_planes = lib.chatd_join_planes
-        self._join_planes.argtypes = [p, p, i64, i32]
-        self._join_planes.restype = i32
-        self._split_planes = lib.chatd_split_planes
-        self._split_planes.argtypes = [p, p, i64, i32]
-        self._split_planes.restype = i32
+
+def build_planes(cache_dir: Path) -> Path:
+    """The snapshot codec's byte-plane library (``chatd/kv/planes.c``), compiled for this CPU after
+    ``CHATD_CPU_ISA``'s cap, building it into ``cache_dir`` unless it is there already. Raises RuntimeError."""
+    features = cpu_features()
+    flags = (f"-march={features.arch}", *features.extra_flags, *PLANES_FLAGS)
+    return _build_library(cache_dir, "snapshot-planes", [(PLANES_SOURCE, flags)], [PLANES_SOURCE, PLANES_HEADER],
+                          ("-shared",), "the snapshot codec's byte planes")
+
+
+def _bind(lib: ctypes.CDLL, signatures: dict[str, tuple[type | None, list[type]]]) -> dict[str, Any]:
+    """``lib``'s functions named in ``signatures``, with their ctypes signatures."""
+    functions = {}
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = restype
+        functions[name] = function
+    return functions
+
+
+class EngineKernels:
+    """The compact forward's native steps over the pool's fp32 K/V, each one call per layer for all rows, and the
+    snapshot codec's byte planes (:class:`chatd.kv.snapshot_frames.PlaneKernels`)."""
+
+    def __init__(self, library: Path, *, arch: str = NATIVE_ARCH) -> None:
+        """``library``: :func:`build`'s; the kernels run as ``arch`` (:data:`VARIANTS`; ValueError where this CPU
+        cannot), by default the best variants this CPU has after ``CHATD_CPU_ISA``'s cap. The byte planes' own
+        library is built beside ``library`` (:func:`build_planes`)."""
+        functions = _bind(ctypes.CDLL(str(library)), SIGNATURES)
+        self._decode_attention = functions["chatd_decode_attention"]
+        self._rope_write = functions["chatd_rope_write"]
+        self._add_rms_norm = functions["chatd_add_rms_norm"]
+        self._silu_mul = functions["chatd_silu_mul"]
+        self._tile_matmul = functions["chatd_q4_matmul"]
+        self._select_tile_matmul = functions["chatd_q4_matmul_select"]
+        self._amx_rows = functions["chatd_q4_matmul_amx_rows"]
+        self._forward_step = functions["chatd_forward_step"]
+        self._limits = functions["chatd_decode_attention_limits"]
+        self._attention_parts = functions["chatd_decode_attention_parts"]
+        # This object's dispatch table (chatd_kernels.h): the variants its calls run, filled once here.
+        self._table = ctypes.create_string_buffer(functions["chatd_kernels_size"]())
+        self._kernels = ctypes.addressof(self._table)
+        functions["chatd_kernels_init"](self._kernels, _dispatch_bits(arch))
+        self.isa: str = _ISAS[functions["chatd_kernels_isa"](self._kernels)]
+        """The variant of the attention and element-wise kernels: ``avx512``, ``avx2`` or ``scalar``."""
+        # Which units run tile_matmul: AMX tiles (as the CPU has them, and granted to this process by the
+        # kernel), else AVX512-VNNI vectors, else AVX2 vectors, else none.
+        self.tile_matmul_kind: str | None = _TILE_KINDS[functions["chatd_q4_matmul_kind"](self._kernels)]
+        planes = _bind(ctypes.CDLL(str(build_planes(library.parent))), PLANES_SIGNATURES)
+        self._join_planes = planes["chatd_join_planes"]
+        self._split_planes = planes["chatd_split_planes"]
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
         return num_heads % num_kv_heads == 0 and bool(self._limits(num_heads // num_kv_heads, head_dim, block_size))
@@ -184,9 +329,9 @@ class EngineKernels:
                 and values.is_contiguous() and positions.dtype == slots.dtype == torch.int64
                 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim):
             raise ValueError("rope_write: unexpected dtypes or layouts")
-        self._rope_write(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                         keys.data_ptr(), values.data_ptr(), num_blocks * block_size * row, slots.data_ptr(),
-                         qkv.shape[0], num_heads, num_kv_heads, head_dim, torch.get_num_threads(),
+        self._rope_write(self._kernels, qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(),
+                         sin.data_ptr(), keys.data_ptr(), values.data_ptr(), num_blocks * block_size * row,
+                         slots.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim, torch.get_num_threads(),
                          _KV_TYPES[keys.dtype])
 
     def add_rms_norm(self, h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
@@ -200,7 +345,7 @@ class EngineKernels:
                 and (add is None or (add.dtype == torch.bfloat16 and add.shape == h.shape and add.stride(1) == 1))):
             raise ValueError("add_rms_norm: unexpected dtypes or layouts")
         out = torch.empty(rows, hidden, dtype=torch.bfloat16)
-        self._add_rms_norm(h.data_ptr(), None if add is None else add.data_ptr(),
+        self._add_rms_norm(self._kernels, h.data_ptr(), None if add is None else add.data_ptr(),
                            0 if add is None else add.stride(0), weight.data_ptr(), eps, out.data_ptr(), rows,
                            hidden, torch.get_num_threads())
         return out
@@ -212,7 +357,7 @@ class EngineKernels:
         if not (gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and width % 2 == 0):
             raise ValueError("silu_mul: unexpected dtypes or layouts")
         out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        self._silu_mul(self._kernels, gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
     def join_planes(self, planes: np.ndarray, elements: np.ndarray) -> None:
@@ -228,25 +373,27 @@ class EngineKernels:
         self._split_planes(elements.ctypes.data, planes.ctypes.data, n, size)
 
     def select_tile_matmul(self, kind: str | None) -> str | None:
-        """Run ``kind`` (``"amx"``, ``"avx512-vnni"`` or ``"avx2"``) for :meth:`tile_matmul` from now on where
-        this CPU has it, the best one for None; returns the kind in effect. The vector kernels also run where AMX
-        does, AVX2 where AVX512-VNNI does (the tests compare them); the server always runs the best."""
+        """Run ``kind`` (``"amx"``, ``"avx512-vnni"``, ``"avx2"``, or ``"scalar"``, the portable reference, which
+        reads AVX512-VNNI's layout) for :meth:`tile_matmul` and :meth:`forward_step` from now on where this CPU has
+        it, the best one for None; returns the kind in effect. The vector kernels also run where AMX does, AVX2
+        where AVX512-VNNI does, the scalar reference anywhere (the tests compare them); the server always runs
+        the best. Only this object's dispatch table changes."""
         codes: dict[str | None, int] = {name: number for number, name in _TILE_KINDS.items()}
         code = codes[kind]
-        self.tile_matmul_kind = _TILE_KINDS[self._select_tile_matmul(code)]
+        self.tile_matmul_kind = _TILE_KINDS[self._select_tile_matmul(self._kernels, code)]
         return self.tile_matmul_kind
 
     @property
     def amx_min_rows(self) -> int:
-        """Where AMX runs: calls of this many rows or more take it, fewer the vector kernel (on the second
+        """Where AMX runs, calls of this many rows or more take it, fewer the vector kernel (on the second
         layout the weights are packed in there). 16 unless set (tests set 1: AMX for every call)."""
-        return int(self._amx_rows(0))
+        return int(self._amx_rows(self._kernels, 0))
 
     @amx_min_rows.setter
     def amx_min_rows(self, rows: int) -> None:
         if rows < 1:
             raise ValueError("amx_min_rows must be at least 1")
-        self._amx_rows(rows)
+        self._amx_rows(self._kernels, rows)
 
     def tile_matmul(self, x: torch.Tensor, tiles: torch.Tensor, n: int, *, q8: bool = False) -> torch.Tensor:
         """bf16 ``x`` ``[M, K]`` (contiguous) times a Q4_1 weight ``[n, K]`` (a Q8_0 one where ``q8``) packed for
@@ -259,8 +406,8 @@ class EngineKernels:
             raise ValueError("tile_matmul: unexpected dtypes or layouts, or no tile kernel here")
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
-            _check_status("tile_matmul", self._tile_matmul(x.data_ptr(), m, k, tiles.data_ptr(), int(q8), n,
-                                                           out.data_ptr(), torch.get_num_threads()))
+            _check_status("tile_matmul", self._tile_matmul(self._kernels, x.data_ptr(), m, k, tiles.data_ptr(), int(q8),
+                                                           n, out.data_ptr(), torch.get_num_threads()))
         return out
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
@@ -279,8 +426,8 @@ class EngineKernels:
                 and q.stride(2) == 1 and out.is_contiguous() and keys.is_contiguous() and values.is_contiguous()
                 and rows.dtype == tables.dtype == lengths.dtype == torch.int32 and tables.is_contiguous()):
             raise ValueError("decode attention: unexpected dtypes or layouts")
-        self._decode_attention(q.data_ptr(), q.stride(0), rows.data_ptr(), out.data_ptr(), keys.data_ptr(),
-                               values.data_ptr(), num_blocks * block_size * row, tables.data_ptr(),
+        self._decode_attention(self._kernels, q.data_ptr(), q.stride(0), rows.data_ptr(), out.data_ptr(),
+                               keys.data_ptr(), values.data_ptr(), num_blocks * block_size * row, tables.data_ptr(),
                                tables.shape[1], lengths.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim,
                                block_size, scale, torch.get_num_threads(), _KV_TYPES[keys.dtype])
 
@@ -303,10 +450,10 @@ class EngineKernels:
             raise ValueError("forward_step: unexpected dtypes or layouts")
         logits = torch.empty(last.shape[0], plan.shape.vocab, dtype=torch.bfloat16)
         _check_status("forward_step", self._forward_step(
-            ctypes.byref(plan.shape), plan.layers, plan.final_norm.data_ptr(), plan.lm_head.data_ptr(), h.data_ptr(),
-            rows, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-            tables.shape[1], lengths.data_ptr(), last.data_ptr(), last.shape[0], logits.data_ptr(),
-            torch.get_num_threads()))
+            self._kernels, ctypes.addressof(plan.shape), ctypes.addressof(plan.layers), plan.final_norm.data_ptr(),
+            plan.lm_head.data_ptr(), h.data_ptr(), rows, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), tables.shape[1], lengths.data_ptr(), last.data_ptr(), last.shape[0],
+            logits.data_ptr(), torch.get_num_threads()))
         return logits
 
 
@@ -337,11 +484,15 @@ def tile_bytes(n: int, k: int, *, q8: bool, kind: str) -> int:
 
 
 class _Layer(ctypes.Structure):
+    """chatd_kernels.h's struct chatd_layer."""
+
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down", "keys", "values")]
 
 
 class _Shape(ctypes.Structure):
+    """chatd_kernels.h's struct chatd_shape."""
+
     _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                                     "inter", "vocab", "block_size", "kv_type")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("head_stride", ctypes.c_int64)]
@@ -392,13 +543,17 @@ _loaded: dict[tuple[Path, str], EngineKernels | None] = {}
 
 
 def load_kernels(cache_dir: Path, arch: str = NATIVE_ARCH) -> EngineKernels | None:
-    """The kernels built for this machine (once per process, ``cache_dir`` and ``arch``, see :func:`build`),
-    or None when they cannot be built here (logged)."""
+    """The kernels built for this machine (once per process, ``cache_dir`` and ``arch``, see :func:`build`), run
+    as ``arch`` (:class:`EngineKernels`), or None when they cannot be built here (logged)."""
     key = (cache_dir, arch)
     if key not in _loaded:
         try:
-            _loaded[key] = EngineKernels(build(cache_dir, arch))
+            kernels = EngineKernels(build(cache_dir, arch), arch=arch)
         except (RuntimeError, OSError) as exc:
             log.warning("native kernels unavailable, the engine uses torch's ops alone: %s", exc)
             _loaded[key] = None
+        else:
+            log.info("native kernels: %s attention and element-wise steps, tile matmul %s", kernels.isa,
+                     kernels.tile_matmul_kind or "none")
+            _loaded[key] = kernels
     return _loaded[key]

@@ -1,19 +1,21 @@
-/* Byte planes of 2- and 4-byte elements, for the KV snapshot codec (chatd/kv/snapshot_frames.py).
+/* Byte planes of 2- and 4-byte elements, for the KV snapshot codec (snapshot_frames.py beside this file).
  *
  * A snapshot stores each head slab as byte planes: plane 0 holds the most significant byte of every element,
  * plane 1 the next, and so on, so the slowly varying sign and exponent bytes sit together and compress. A
  * restore joins the decompressed planes back into the elements; a snapshot write splits them. numpy does
  * either in several passes over memory, with a casting loop for the 2-byte case; one vectorised pass does it at
- * memory speed (a 2,048-token restore on 2 threads: 31.8 ms warm with numpy, 24.4 with this; see
- * benchmarks/snapshot_planes.py).
+ * memory speed (docs/performance.md, "Snapshot restore: byte planes joined natively, and what bounds figure 1
+ * here"; benchmarks/snapshot_planes.py). It is built on its own, for this very CPU (-march), since its loops are
+ * what the compiler vectorises: chatd/engine/kernels/loader.py builds and loads it (EngineKernels.join_planes and
+ * split_planes, which the codec takes as its PlaneKernels).
  *
  * Elements are read and written as native integers, so the result does not depend on the host's byte order.
  * Both run on the calling thread: the snapshot decoder's own threads call them side by side.
  */
 #include <stdint.h>
 
-/* out[i] = the element whose bytes, most significant first, are planes[0][i], planes[1][i], ...
- * planes is [size][n] (plane p at planes + p * n); size 2 or 4. Returns 0, or -1 for another size. */
+#include "planes.h"
+
 int chatd_join_planes(const uint8_t *restrict planes, void *restrict out, int64_t n, int size)
 {
     if (size == 2) {
@@ -34,7 +36,6 @@ int chatd_join_planes(const uint8_t *restrict planes, void *restrict out, int64_
     return -1;
 }
 
-/* The inverse: planes[p][i] = byte p (most significant first) of element i of data. */
 int chatd_split_planes(const void *restrict data, uint8_t *restrict planes, int64_t n, int size)
 {
     if (size == 2) {
