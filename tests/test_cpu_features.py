@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from chatd.engine import cpu
+from chatd.engine.kernels import cpu
 from chatd.engine.kernels.cpu import ISA_ENV, CpuFeatures, cpu_features, isa_cap, library_environment
 from chatd.engine.kernels.loader import load_kernels
 from tests.support import ROOT

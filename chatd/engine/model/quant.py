@@ -206,7 +206,7 @@ class Int4Linear(torch.nn.Module):
 
 
 def pack_q4_tiles(weight: Q4_1Weight) -> torch.Tensor:
-    """A Q4_1 ``[N, K]`` weight in the AMX tile kernel's layout (``chatd/engine/kernels/tile_matmul.c``): uint8
+    """A Q4_1 ``[N, K]`` weight in the AMX tile kernel's layout (``chatd/engine/kernels/matmul_amx.c``): uint8
     ``[N / 16, K / 32, 320]``, per tile of 16 outputs by 32 inputs the 512 quants in AMX's pairwise
     order, two per byte, then the 16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
     n, k = weight.shape
@@ -272,7 +272,7 @@ def pack_q8_tiles(weight: Q8_0Weight) -> torch.Tensor:
 
 def pack_q4_quads(weight: Q4_1Weight) -> torch.Tensor:
     """A Q4_1 ``[N, K]`` weight in the vector tile kernel's layout (AVX512-VNNI,
-    ``chatd/engine/kernels/tile_matmul.c``): uint8 ``[N / 16, K / 32, 320]``; per tile of 16 outputs by 32 inputs,
+    ``chatd/engine/kernels/matmul_avx512.c``): uint8 ``[N / 16, K / 32, 320]``; per tile of 16 outputs by 32 inputs,
     4 vectors of 64 bytes (vector v: quad row v in the low nibbles, quad row v + 4 in the high ones, output n's 4
     quants at bytes 4n..4n+3), then the 16 outputs' fp16 ``d`` and ``m``. Quants and scales are kept exactly."""
     n, k = weight.shape
@@ -302,7 +302,7 @@ def pack_q8_quads(weight: Q8_0Weight) -> torch.Tensor:
 def pack_for(kind: str, weight: Q4_1Weight | Q8_0Weight) -> torch.Tensor:
     """``weight`` in the layout the tile kernel ``kind`` (:attr:`EngineKernels.tile_matmul_kind`) reads: the
     vector kernels' ``[N / 16, K / 32, tile bytes]`` (AVX512-VNNI's and AVX2's); under AMX ``[2, ...]``, the AMX
-    tiles and then the vector kernel's, which takes the calls of few rows (``chatd/engine/kernels/tile_matmul.c``)."""
+    tiles and then the vector kernel's, which takes the calls of few rows (``chatd/engine/kernels/matmul.c``)."""
     if kind not in TILE_KINDS:
         raise ValueError(f"no tile kernel {kind!r}")
     quads = pack_q8_quads(weight) if isinstance(weight, Q8_0Weight) else pack_q4_quads(weight)

@@ -52,7 +52,7 @@ def row_width(dtype: torch.dtype, head_dim: int) -> int:
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[..., head_dim]`` (fp32) as int8 rows ``[..., head_dim + 4]``: ``q = round(x / scale)`` (to nearest
     even) with ``scale = max|x| / 127`` per row (0 and all-zero values for a row of zeros), the scale's fp32
-    bytes appended. The native K/V write (decode_attention.c) computes the same bits."""
+    bytes appended. The native K/V write (chatd/engine/kernels/elementwise.c) computes the same bits."""
     x = x.float()
     scale = x.abs().amax(dim=-1, keepdim=True) / 127
     values = torch.where(scale > 0, torch.round(x / scale), 0.0).to(torch.int8)
