@@ -106,7 +106,7 @@ PLANS: dict[str, Plan] = {
     "quick": Plan(
         name="quick", restore_tokens=(256, 512, 1024, 2048, 4096), codec_tokens=2048, zstd_levels=(1, 3, 9), repeats=3,
         history_tokens=(256, 512, 1024, 2048), reply_tokens=8, edit_messages=8, edit_history_tokens=2048,
-        decode_tokens=64, decode_runs=3, concurrency=(1, 4, 8, 16), concurrency_tokens=32,
+        decode_tokens=256, decode_runs=5, concurrency=(1, 4, 8, 16), concurrency_tokens=32,
         concurrency_min_samples=4, memory_model="tiny", memory_sessions=100, memory_turns=2,
         memory_budget_tokens=1600, memory_parallel=4, peer_turns=4,
     ),
@@ -114,7 +114,7 @@ PLANS: dict[str, Plan] = {
         name="full", restore_tokens=(256, 512, 1024, 2048, 4096, 8192), codec_tokens=2048, zstd_levels=(1, 3, 9),
         repeats=5,
         history_tokens=(256, 512, 1024, 2048, 4096, 8000), reply_tokens=16, edit_messages=8,
-        edit_history_tokens=2048, decode_tokens=128, decode_runs=5, concurrency=(1, 4, 8, 16), concurrency_tokens=32,
+        edit_history_tokens=2048, decode_tokens=256, decode_runs=5, concurrency=(1, 4, 8, 16), concurrency_tokens=32,
         concurrency_min_samples=16, memory_model="real", memory_sessions=100, memory_turns=3,
         memory_budget_tokens=2400, memory_parallel=4, peer_turns=6, shared_prefix_sessions=(1, 10, 100),
     ),

@@ -146,7 +146,7 @@ class ServerSettings(_Section):
     idle_timeout_s: float = Field(default=600.0, gt=0)
     send_queue_frames: int = Field(default=1024, ge=16)
     """Frames buffered per connection for a slow reader before its generations are cancelled."""
-    stream_interval_ms: float = Field(default=20.0, ge=0.0, le=1000.0)
+    stream_interval_ms: float = Field(default=50.0, ge=0.0, le=1000.0)
     """Least time between two ``token`` frames (and OpenAI stream chunks) of one reply: the first text goes at
     once, text decoded meanwhile goes together in the next frame, and the rest with the reply's end. 0 sends
     every piece as soon as it is decoded."""
