@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from chatd.engine import quant
+from chatd.engine.model import quant
 from chatd.engine.model.packaged import PACKAGED_GGUF
 from chatd.engine.model.packaged import packaged_model_dir as packaged_gguf_dir
 from tests import support
