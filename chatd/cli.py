@@ -1,4 +1,4 @@
-"""Command line: ``chatd serve | chat | db upgrade|downgrade|current``."""
+"""Command line: ``chatd serve | chat | models | db upgrade|downgrade|current``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def _settings(args: argparse.Namespace) -> config.Settings:
         server["port"] = args.port
     if server:
         overrides["server"] = server
+    if getattr(args, "model", None):
+        overrides["model"] = {"source": args.model}
     return config.load(args.config, overrides=overrides)
 
 
@@ -61,6 +63,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.run(sockets=[sock])
     if readiness.failure is not None:
         raise readiness.failure
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """What the configured model source holds and how chatd would run it (nothing is loaded)."""
+    import json
+
+    from chatd.engine.model.catalog import describe_source
+
+    settings = _settings(args)
+    try:
+        facts = describe_source(settings.model.source)
+    except ValueError as exc:
+        raise ConfigError(f"model.source: {exc}") from exc
+    print(json.dumps(facts.to_json(), indent=2) if args.json else facts.describe())
     return 0
 
 
@@ -118,7 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="config file (default: $CHATD_CONFIG or ./config.toml)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument("--model", help="model source: packaged, a .gguf file, a transformers folder or a hub id")
     serve.set_defaults(func=cmd_serve)
+
+    models = sub.add_parser("models", parents=[common],
+                            help="what the model source holds (architecture, parameters, quantisation per tensor "
+                                 "kind, KV bytes per token) and whether the compact forward runs it")
+    models.add_argument("--config")
+    models.add_argument("--model", help="a model source other than the config's")
+    models.add_argument("--json", action="store_true", help="one JSON object")
+    models.set_defaults(func=cmd_models)
 
     chat = sub.add_parser("chat", parents=[common], help="interactive terminal chat against a running server")
     chat.add_argument("--url", help="websocket URL, ws://HOST:PORT/ws (default: from the config's [server] host/port)")

@@ -92,7 +92,8 @@ def check_store_url(url: str) -> None:
 
 
 def check_model_source(model: ModelSettings) -> None:
-    """``packaged`` needs the model package; a path must be a folder. Anything else is taken as a hub id."""
+    """``packaged`` needs the model package; a ``.gguf`` path must be a GGUF file, any other path a model folder.
+    Anything else is taken as a hub id."""
     source = model.source
     if source == "packaged":
         if importlib.util.find_spec(PACKAGED_MODULE) is None:
@@ -100,14 +101,21 @@ def check_model_source(model: ModelSettings) -> None:
                               f"{PACKAGED_INSTALL}")
         return
     path = Path(source).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ConfigError(f"[model] source {source!r}: no GGUF file at {path.resolve()}")
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ConfigError(f"[model] source {source!r}: {path.resolve()} is not a GGUF file")
+        return
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(f"[model] source {source!r}: {path.resolve()} has no config.json; "
-                              "point it at a transformers model folder, or use \"packaged\"")
+                              "point it at a transformers model folder or a .gguf file, or use \"packaged\"")
         return
     if path.exists() or source.startswith((".", "/", "~")):
         raise ConfigError(f"[model] source {source!r}: no model folder at {path.resolve()}; "
-                          "point it at a transformers model folder, or use \"packaged\"")
+                          "point it at a transformers model folder or a .gguf file, or use \"packaged\"")
 
 
 def check_data_dir(path: Path) -> None:

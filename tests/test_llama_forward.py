@@ -23,6 +23,7 @@ from chatd.engine.model.choices import (
     resolve_weights,
 )
 from chatd.engine.model.forward import LlamaForward
+from chatd.engine.model.packaged import PACKAGED_GGUF, packaged_model_dir
 from chatd.engine.model.quant import TileQ4Linear
 from chatd.engine.model.runner import ModelRunner
 from chatd.engine.model.weights import (
@@ -35,6 +36,8 @@ from chatd.engine.model.weights import (
 from chatd.errors import ConfigError
 from devtools.reference import CHAT_PROMPTS, teacher_forced_agreement
 from tests.support import reference_greedy
+
+PACKAGED_GGUF_PATH = packaged_model_dir() / PACKAGED_GGUF
 
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2,
@@ -116,8 +119,7 @@ def test_weights_resolution() -> None:
     assert resolve_weights("auto", cuda, llama) == "bfloat16"
     assert resolve_weights("auto", cuda, llama, has_gguf=True) == "bfloat16"
     assert resolve_weights("q4", cpu, llama, has_gguf=True) == "q4"
-    with pytest.raises(ConfigError):
-        resolve_weights("q4", cpu, llama)
+    assert resolve_weights("q4", cpu, llama) == "q4"  # quantised on load
     assert resolve_weights("int8", cpu, llama) == "int8"
     scaled = SimpleNamespace(**{**vars(llama), "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}})
     other = SimpleNamespace(**{**vars(llama), "model_type": "gpt2"})
@@ -154,7 +156,7 @@ def _q4(real_runner: ModelRunner, path: str, dequantised: torch.nn.Module | None
     tiles = path.startswith("tiles")
     if tiles and (kernels is None or not kernels.tile_matmul_kind):
         pytest.skip("this CPU has neither AMX tiles nor AVX512-VNNI")
-    forward = gguf_forward(torch.device("cpu"), dequantised, kernels if tiles else None)
+    forward = gguf_forward(torch.device("cpu"), PACKAGED_GGUF_PATH, dequantised, kernels if tiles else None)
     # Every projection takes bf16 except an fp32 dense twin: the twin is bf16 only where this CPU multiplies
     # bf16 in hardware (AMX or AVX512-BF16); elsewhere (an AVX2-only CPU) the test runs the fp32 twin it has.
     bf16_twin = dequantised is None or tiles or bf16_matmul_is_fast()
@@ -244,7 +246,8 @@ def test_prompt_attention_in_bf16_stays_close_to_fp32(real_runner: ModelRunner,
     to bf16 beside the pool's K/V; ``bf16_attention_is_fast``). Forced on here whatever the CPU: a long
     prompt in two chunks and the decode steps after it keep the fp32 attention's greedy tokens, within a
     few bf16 roundings of its logits, and the bf16 path is the one that ran."""
-    forward = gguf_forward(torch.device("cpu"), None, None)  # torch's ops alone: every run attends via SDPA
+    # torch's ops alone: every run attends via SDPA
+    forward = gguf_forward(torch.device("cpu"), PACKAGED_GGUF_PATH, None, None)
     runner = ModelRunner(real_runner.model, real_runner.tokenizer,
                          dataclasses.replace(real_runner.info, dtype=torch.bfloat16), forward)
     runner.configure_pool(64 << 20)

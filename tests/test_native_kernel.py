@@ -46,6 +46,7 @@ from chatd.engine.kernels.loader import (
 )
 from chatd.engine.model.choices import gguf_forward
 from chatd.engine.model.forward import NATIVE_ATTENTION_MAX_RUN
+from chatd.engine.model.packaged import PACKAGED_GGUF, packaged_model_dir
 from chatd.engine.model.quant import (
     TILE_KINDS,
     Q4_1Weight,
@@ -666,7 +667,7 @@ def test_q4_steps_between_projections_run_natively_with_torchs_results(real_runn
     # The torch int4 path with the bf16 dense twin, as a CPU with bf16 matmul units runs it where it has no
     # tile kernel (taken here on any CPU: the twin's products are the same, only slower without those units).
     monkeypatch.setattr("chatd.engine.model.choices.bf16_matmul_is_fast", lambda: True)
-    forward = gguf_forward(torch.device("cpu"), real_runner.model)
+    forward = gguf_forward(torch.device("cpu"), packaged_model_dir() / PACKAGED_GGUF, real_runner.model)
     assert forward.bf16_projections
     runner = ModelRunner(real_runner.model, real_runner.tokenizer, real_runner.info, forward)
     texts = ("The capital of France is", "Water boils at", "One, two, three, four,", "Dear diary, today")
@@ -852,7 +853,7 @@ def test_the_packaged_model_runs_its_q4_blocks_on_the_tile_kernel(real_runner: M
     assert kernels is not None
     if not kernels.tile_matmul_kind:
         pytest.skip("this CPU has no tile kernel (neither AMX, AVX512-VNNI nor AVX2)")
-    forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
+    forward = gguf_forward(torch.device("cpu"), packaged_model_dir() / PACKAGED_GGUF, real_runner.model, kernels)
     for layer in forward.weights.layers:
         assert all(isinstance(p, TileQ4Linear) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert isinstance(forward.weights.lm_head, TileQ8Linear)
@@ -880,7 +881,7 @@ def test_a_whole_step_in_one_native_call_equals_the_loop_over_layers(real_runner
 
 def _whole_step_equals_the_loop(real_runner: ModelRunner, kernels: EngineKernels, tile_kind: str,
                                 kv_dtype: torch.dtype) -> None:
-    forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
+    forward = gguf_forward(torch.device("cpu"), packaged_model_dir() / PACKAGED_GGUF, real_runner.model, kernels)
     forward.kernels = kernels
     forward.native_attention_max_run = NATIVE_ATTENTION_MAX_RUN
     info = dataclasses.replace(real_runner.info, dtype=kv_dtype)
@@ -931,7 +932,7 @@ def test_where_every_chunk_attends_natively_a_prompt_is_the_same_bits_however_it
     assert kernels is not None
     if kernels.tile_matmul_kind not in ("avx512-vnni", "avx2", "amx"):
         pytest.skip("this CPU has no tile kernel")
-    forward = gguf_forward(torch.device("cpu"), real_runner.model, kernels)
+    forward = gguf_forward(torch.device("cpu"), packaged_model_dir() / PACKAGED_GGUF, real_runner.model, kernels)
     forward.kernels = kernels
     assert forward.native_attention_max_run == (NATIVE_ATTENTION_MAX_RUN if forward.bf16_attention else sys.maxsize)
     forward.native_attention_max_run = sys.maxsize  # what a CPU without AMX runs; on AMX, for this test

@@ -145,7 +145,7 @@ async def test_admin_json_and_metrics_render_the_same_stats(tiny_core: Chatd) ->
         "snapshot_writes", "snapshot_write_failures", "snapshot_bytes_written",
         "snapshots_deleted_for_disk_budget", "prefix_shares", "prefix_shared_tokens", "resumes_from_pool", "engine"]
     assert list(body["model"]) == ["name", "dtype", "device", "max_context", "kv_bytes_per_token", "weights",
-                                   "cpu_features", "kernels"]
+                                   "cpu_features", "kernels", "architecture", "parameters", "weights_from"]
     info = core.runner.info
     assert body["model"]["weights"] == info.weights and body["model"]["cpu_features"] == list(info.cpu_features)
     assert body["model"]["kernels"] == info.kernels

@@ -43,6 +43,7 @@ from chatd.server import openai_wire as wire
 from chatd.server.security import bearer_matches
 from chatd.server.ws import key_valid
 from chatd.service.core import Chatd
+from chatd.service.stats import model_facts
 from chatd.service.turns import Turn
 from chatd.service.types import TurnResult
 
@@ -125,7 +126,7 @@ async def list_models(request: Request) -> Response:
     except ChatdError as exc:
         return error_response(exc)
     core: Chatd = request.app.state.core
-    return JSONResponse({"object": "list", "data": [wire.model_object(core.runner.info.name,
+    return JSONResponse({"object": "list", "data": [wire.model_object(model_facts(core.runner.info),
                                                                        request.app.state.started_at)]})
 
 
@@ -138,7 +139,7 @@ async def get_model(model: str, request: Request) -> Response:
             raise NotFound(f"the model {model!r} does not exist")
     except ChatdError as exc:
         return error_response(exc)
-    return JSONResponse(wire.model_object(model, request.app.state.started_at))
+    return JSONResponse(wire.model_object(model_facts(core.runner.info), request.app.state.started_at))
 
 
 @router.post("/chat/completions")

@@ -26,6 +26,7 @@ from chatd.errors import (
     Unauthorized,
 )
 from chatd.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from chatd.service.stats import ModelFacts
 from chatd.service.types import GenerationOptions, Usage
 
 MAX_MESSAGES = 10_000
@@ -249,8 +250,12 @@ def chunk(cid: str, model: str, created: int, *, delta: dict[str, Any] | None = 
     return body
 
 
-def model_object(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "chatd"}
+def model_object(model: ModelFacts, created: int) -> dict[str, Any]:
+    """OpenAI's model object, with what chatd runs under ``chatd`` (as ``/admin/stats`` model says it)."""
+    return {"id": model.name, "object": "model", "created": created, "owned_by": "chatd",
+            "chatd": {"architecture": model.architecture, "parameters": model.parameters,
+                      "max_context": model.max_context, "weights": model.weights, "weights_from": model.weights_from,
+                      "kv_dtype": model.dtype, "compact_forward": model.weights != "transformers"}}
 
 
 _CODES: dict[type[ChatdError], tuple[str, str]] = {

@@ -65,6 +65,10 @@ class ModelFacts:
     """The CPU features the engine chose its paths by; empty on a GPU."""
     kernels: str | None
     """The native kernels' tile matmul in use, ``none``, or None without native kernels."""
+    architecture: str = ""
+    parameters: int = 0
+    weights_from: str = ""
+    """Where the running weights came from (a GGUF's blocks as they are, quantised on load, the source's own)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,14 @@ class Stats:
         return 1000 * sum(recent) / len(recent) if recent else None
 
 
+def model_facts(info: ModelInfo) -> ModelFacts:
+    """What the loaded model is and how it runs."""
+    return ModelFacts(name=info.name, dtype=info.dtype_name, device=str(info.device),
+                      max_context=info.max_context, kv_bytes_per_token=info.bytes_per_token, weights=info.weights,
+                      cpu_features=info.cpu_features, kernels=info.kernels, architecture=info.architecture,
+                      parameters=info.parameters, weights_from=info.weights_from)
+
+
 def build_stats(*, counters: Counters, tiers: Tiers, kv: KVManager, snapshots: SnapshotService, info: ModelInfo,
              num_generating: int, num_sessions: int | None) -> Stats:
     """Build the :class:`Stats` of this moment. Call it on the event loop: it reads the KV manager's and
@@ -140,9 +152,7 @@ def build_stats(*, counters: Counters, tiers: Tiers, kv: KVManager, snapshots: S
     counts = tiers.counts()
     uses = (TierUse("device", kv.budget_bytes, kv.resident_bytes, counts["device"]),
             TierUse("disk", snapshots.disk_budget_bytes, snapshots.disk_bytes, counts["disk"]))
-    model = ModelFacts(name=info.name, dtype=info.dtype_name, device=str(info.device),
-                       max_context=info.max_context, kv_bytes_per_token=info.bytes_per_token, weights=info.weights,
-                       cpu_features=info.cpu_features, kernels=info.kernels)
+    model = model_facts(info)
     blocks = kv.pool.stats()
     pool = PoolFacts(block_size=blocks.block_size, num_blocks=blocks.num_blocks, used_blocks=blocks.num_used_blocks,
                      cached_blocks=blocks.num_cached_blocks, shared_blocks=blocks.num_shared_blocks,

@@ -5,13 +5,13 @@ twin for wide steps)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from chatd.engine.kernels.loader import EngineKernels
 from chatd.engine.model.forward import LlamaForward
-from chatd.engine.model.packaged import PACKAGED_GGUF, packaged_model_dir
 from chatd.engine.model.quant import load_gguf_weights
 from chatd.engine.model.weights import (
     DenseLinear,
@@ -66,8 +66,9 @@ def resolve_kv_dtype(setting: str, device: torch.device, weights: str, *, native
 
 def resolve_weights(setting: str, device: torch.device, config: Any, *, has_gguf: bool = False) -> str:
     """The weight precision to run: ``setting`` unless ``auto``. ConfigError when a compact-forward
-    precision is asked for a model the compact forward does not reproduce, or ``q4`` without a GGUF
-    (``has_gguf``: the model came from the packaged GGUF, whose Q4_1 blocks ``q4`` runs)."""
+    precision is asked for a model the compact forward does not reproduce. ``has_gguf``: the model came from a
+    GGUF whose blocks ``q4`` runs as they are (``auto`` then runs them on the CPU); ``q4`` for any other source
+    quantises on load."""
     try:
         LlamaShape.from_config(config)
         supported = True
@@ -75,9 +76,6 @@ def resolve_weights(setting: str, device: torch.device, config: Any, *, has_gguf
         if setting not in ("auto", "transformers"):
             raise ConfigError(f"model.weights = {setting!r} needs a Llama-family model: {exc}") from exc
         supported = False
-    if setting == "q4" and not has_gguf:
-        raise ConfigError('model.weights = "q4" runs the packaged GGUF\'s own blocks: '
-                          'it needs model.source = "packaged"')
     if setting != "auto":
         return setting
     if not supported:
@@ -117,9 +115,9 @@ BF16_TWIN_MIN_ROWS = 8
 FP32_TWIN_MIN_ROWS = 32
 
 
-def gguf_forward(device: torch.device, dequantised: Any | None = None,
+def gguf_forward(device: torch.device, path: Path, dequantised: Any | None = None,
                  kernels: EngineKernels | None = None) -> LlamaForward:
-    """The compact forward over the packaged GGUF's own Q4_1 / Q8_0 blocks (CPU int4 kernel).
+    """The compact forward over a llama GGUF's Q4_0 / Q4_1 / Q8_0 blocks at ``path`` (CPU int4 kernel).
 
     ``kernels`` with a tile matmul (:attr:`EngineKernels.tile_matmul_kind`: AMX tiles, AVX512-VNNI
     or AVX2 vectors; with AMX, steps of few rows on the vectors): the Q4_1 and Q8_0 blocks run on it, at the blocks'
@@ -130,7 +128,7 @@ def gguf_forward(device: torch.device, dequantised: Any | None = None,
     if device.type != "cpu":
         raise ConfigError('model.weights = "q4" runs on the CPU; use bfloat16 on CUDA')
     tiles = kernels is not None and kernels.tile_matmul_kind is not None
-    gguf = load_gguf_weights(packaged_model_dir() / PACKAGED_GGUF, kernels=kernels if tiles else None)
+    gguf = load_gguf_weights(path, kernels=kernels if tiles else None)
     if dequantised is None or tiles:
         return LlamaForward(weights_from_gguf(gguf), device)
     if bf16_matmul_is_fast():

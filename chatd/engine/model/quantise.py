@@ -1,0 +1,61 @@
+"""``[model] weights = "q4"`` for any Llama-shaped source: the file's own Q4_0 / Q4_1 blocks where the source is
+a GGUF that holds them, otherwise the weights quantised on load to Q4_1 (token embedding and LM head Q8_0) and
+cached on disk as a GGUF, so later starts read the blocks instead of quantising again.
+
+Quantising is lossy: the load log and ``/admin/stats`` (``model.weights_from``) say so, and
+``python -m benchmarks.quality`` measures the agreement with the unquantised forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from chatd.engine.model.gguf_file import GGUFSummary, describe_gguf, write_llama_gguf
+
+log = logging.getLogger(__name__)
+
+Q4_MATRIX_TYPES = frozenset({"Q4_0", "Q4_1"})  # run as they are (Q4_0 as the Q4_1 blocks of the same values)
+Q4_TABLE_TYPES = frozenset({"Q8_0"})  # the token embedding and the LM head
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+QUANTISED_VERSION = 1  # bump when the cached file's layout or quantiser changes
+
+
+def q4_blocks_problem(summary: GGUFSummary) -> str | None:
+    """Why a GGUF's blocks cannot run as ``q4`` as they are (None when they can): a llama file whose projections
+    are Q4_0 / Q4_1 and whose token embedding (and LM head, when separate) is Q8_0."""
+    if summary.architecture != "llama":
+        return f"architecture {summary.architecture!r}"
+    for kind in _PROJECTIONS:
+        types = set(summary.tensor_types.get(kind, "missing").split("+"))
+        if not types <= Q4_MATRIX_TYPES:
+            return f"{kind} is {'+'.join(sorted(types))}"
+    for kind in ("token_embd", "output"):
+        table = summary.tensor_types.get(kind)
+        if table is not None and not set(table.split("+")) <= Q4_TABLE_TYPES:
+            return f"{kind} is {table}"
+    return None
+
+
+def runnable_q4_file(gguf_path: Path | None) -> tuple[Path | None, str]:
+    """``(path, why)``: the source GGUF when its blocks run as ``q4`` as they are, else ``(None, reason)``."""
+    if gguf_path is None:
+        return None, "the source is not a GGUF file"
+    problem = q4_blocks_problem(describe_gguf(gguf_path))
+    return (gguf_path, "") if problem is None else (None, problem)
+
+
+def quantised_q4_file(model: Any, data_dir: Path, weights_hash: str) -> Path:
+    """The model's weights as Q4_1 projections with a Q8_0 embedding and head, written once per weights under
+    ``data_dir/models`` (a GGUF in llama.cpp's layout, read back like any other)."""
+    target = data_dir / "models" / f"q4_1-v{QUANTISED_VERSION}-{weights_hash[:16]}.gguf"
+    if target.exists():
+        return target
+    started = time.monotonic()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_llama_gguf(model, target, "Q4_1")
+    log.info("quantised the weights to Q4_1 (Q8_0 embedding) in %.1f s, cached at %s (lossy: "
+             "python -m benchmarks.quality measures the agreement)", time.monotonic() - started, target)
+    return target

@@ -1,0 +1,254 @@
+"""A GGUF file as ``[model] source``: the tiny random Llama written as GGUF files of each type chatd can write
+(with the packaged model's tokenizer metadata), loaded through ModelRunner, against transformers' forward over the
+same file's dequantised weights; ``weights = "q4"`` from a file's own blocks and quantised on load."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from chatd.config import ModelSettings
+from chatd.engine.model.gguf_file import WRITABLE_TYPES, describe_gguf, write_llama_gguf
+from chatd.engine.model.packaged import PACKAGED_GGUF, packaged_model_dir
+from chatd.engine.model.quant import Q4_1Weight, read_tensor
+from chatd.engine.model.quantise import q4_blocks_problem
+from chatd.engine.model.runner import ModelRunner
+from chatd.errors import ConfigError
+from chatd.service.core import Chatd
+from chatd.service.types import GenerationOptions, TurnResult
+from devtools.models import ROOT
+from devtools.reference import teacher_forced_agreement
+from tests.support import ServerProcess
+
+# Teacher-forced bounds for q4 (activations rounded to int8 or bf16 into the kernels) against the fp32 forward
+# over the same blocks dequantised, on the tiny model (logits of a few units: its LM head is drawn with std 0.5).
+# The AVX512-VNNI and AVX2 kernels read 0.12 here; the fp32 forward over the same file reads 2e-5.
+Q4_MAX_LOGIT_DIFF = 0.25
+Q4_MIN_AGREEMENT = 0.9
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.fixture(scope="module")
+def shared_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One data folder for the tests that do not count what is in it: each file is converted once."""
+    return tmp_path_factory.mktemp("data")
+
+
+
+def written(model: torch.nn.Module, folder: Path, matrix_type: str) -> Path:
+    path = folder / f"tiny-{matrix_type}.gguf"
+    if not path.exists():
+        write_llama_gguf(model, path, matrix_type, tokenizer_from=packaged_model_dir() / PACKAGED_GGUF,
+                         name="tiny")
+    return path
+
+
+def dequantised_reference(path: Path) -> torch.nn.Module:
+    """transformers' own reading of the file: the weights dequantised to fp32, its forward."""
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def greedy(n: int) -> GenerationOptions:
+    return GenerationOptions(max_tokens=n, temperature=0.0)
+
+
+def load(path: Path, data_dir: Path, weights: str) -> ModelRunner:
+    return ModelRunner.load(ModelSettings(source=str(path), weights=weights, threads=1), data_dir)
+
+
+def test_describe_names_each_tensor_kinds_type(tiny_model: torch.nn.Module, gguf_dir: Path) -> None:
+    summary = describe_gguf(written(tiny_model, gguf_dir, "Q4_0"))
+    config = tiny_model.config
+    assert (summary.architecture, summary.num_layers, summary.hidden_size) == ("llama", 2, config.hidden_size)
+    assert (summary.num_heads, summary.num_kv_heads, summary.head_dim) == (4, 2, 16)
+    assert summary.vocab_size == config.vocab_size and summary.has_chat_template
+    assert summary.parameters == sum(p.numel() for p in tiny_model.parameters())
+    assert summary.tensor_types["attn_q"] == "Q4_0" and summary.tensor_types["ffn_down"] == "Q4_0"
+    assert summary.tensor_types["token_embd"] == "Q8_0" and summary.tensor_types["attn_norm"] == "F32"
+    assert summary.matrix_types() == {"Q4_0", "Q8_0"}
+    assert q4_blocks_problem(summary) is None
+    assert q4_blocks_problem(describe_gguf(written(tiny_model, gguf_dir, "Q8_0"))) == "attn_q is Q8_0"
+
+
+def test_q4_0_blocks_read_as_the_q4_1_blocks_of_the_same_values(tiny_model: torch.nn.Module, gguf_dir: Path) -> None:
+    reader = gguf.GGUFReader(str(written(tiny_model, gguf_dir, "Q4_0")))
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    weight = read_tensor(tensor)
+    assert isinstance(weight, Q4_1Weight)
+    want = gguf.quants.dequantize(np.asarray(tensor.data), gguf.GGMLQuantizationType.Q4_0)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(want.astype(np.float32)))
+
+
+@pytest.mark.parametrize("matrix_type", WRITABLE_TYPES)
+def test_a_gguf_source_decodes_like_transformers_over_its_dequantised_weights(
+        tiny_model: torch.nn.Module, gguf_dir: Path, shared_data: Path, matrix_type: str) -> None:
+    path = written(tiny_model, gguf_dir, matrix_type)
+    runner = load(path, shared_data, "float32")
+    assert runner.info.weights == "float32" and runner.forward is not None
+    assert runner.tokenizer.chat_template  # from the file's metadata
+    # runner.model is transformers' model over the file's weights dequantised (its converted folder).
+    agreement = teacher_forced_agreement(runner, runner.model, max_new_tokens=8)
+    assert agreement.agree == agreement.total
+    assert agreement.max_abs_diff < 1e-3
+
+
+@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q4_1"])
+def test_q4_runs_a_files_own_blocks(tiny_model: torch.nn.Module, gguf_dir: Path, shared_data: Path,
+                                    matrix_type: str) -> None:
+    path = written(tiny_model, gguf_dir, matrix_type)
+    runner = load(path, shared_data, "auto")  # auto runs the blocks on the CPU
+    assert runner.info.weights == "q4"
+    assert runner.info.weights_from == f"the blocks of {path.name} as they are"
+    agreement = teacher_forced_agreement(runner, runner.model)
+    assert agreement.ratio >= Q4_MIN_AGREEMENT and agreement.clear_misses == 0
+    assert agreement.max_abs_diff < Q4_MAX_LOGIT_DIFF
+    assert not list((shared_data / "models").glob("q4_1-*.gguf"))  # nothing quantised
+
+
+def test_q4_quantises_other_weights_once_and_says_it_is_lossy(
+        tiny_dir: Path, tiny_model: torch.nn.Module, gguf_dir: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    data = tmp_path / "data"
+    with caplog.at_level(logging.INFO):
+        runner = ModelRunner.load(ModelSettings(source=str(tiny_dir), weights="q4", threads=1), data)
+    assert runner.info.weights == "q4" and "quantised on load to Q4_1, lossy" in runner.info.weights_from
+    assert "lossy" in caplog.text
+    cached = list((data / "models").glob("q4_1-*.gguf"))
+    assert len(cached) == 1
+    assert describe_gguf(cached[0]).tensor_types["attn_v"] == "Q4_1"
+    agreement = teacher_forced_agreement(runner, dequantised_reference(cached[0]))
+    assert agreement.ratio >= Q4_MIN_AGREEMENT and agreement.max_abs_diff < Q4_MAX_LOGIT_DIFF
+    stamp = cached[0].stat().st_mtime_ns
+    again = ModelRunner.load(ModelSettings(source=str(tiny_dir), weights="q4", threads=1), data)
+    assert again.info.weights_hash == runner.info.weights_hash
+    assert cached[0].stat().st_mtime_ns == stamp  # read back, not quantised again
+    # An F16 file is quantised too (its projections are not q4 blocks), into a cache entry of its own.
+    f16 = load(written(tiny_model, gguf_dir, "F16"), data, "q4")
+    assert "attn_q is F16" in f16.info.weights_from
+    assert len(list((data / "models").glob("q4_1-*.gguf"))) == 2
+    assert f16.info.weights_hash != runner.info.weights_hash
+
+
+def test_each_file_is_its_own_weights(tiny_model: torch.nn.Module, gguf_dir: Path, shared_data: Path) -> None:
+    hashes = {load(written(tiny_model, gguf_dir, t), shared_data, "float32").info.weights_hash
+              for t in ("Q4_0", "Q4_1", "Q8_0")}
+    assert len(hashes) == 3
+
+
+def test_a_bad_gguf_source_is_a_clear_error(tmp_path: Path) -> None:
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"not a gguf file at all" * 100)
+    with pytest.raises(ConfigError, match=r"model\.gguf"):
+        load(bogus, tmp_path / "data", "auto")
+    with pytest.raises(ConfigError, match=r"missing\.gguf"):
+        load(tmp_path / "missing.gguf", tmp_path / "data", "auto")
+    assert not (tmp_path / "data" / "models").exists() or not any((tmp_path / "data" / "models").iterdir())
+
+
+async def test_a_gguf_q4_model_resumes_restores_and_edits_like_one_computed_at_once(
+        tiny_model: torch.nn.Module, gguf_dir: Path, shared_data: Path, make_settings: Any) -> None:
+    """A GGUF source's q4 blocks through the service: a turn after an eviction to disk (restored from the
+    snapshot), a session started from another's resident prefix, and a turn after an edit, each reply equal to
+    that of a session that computed the same history straight through."""
+    path = written(tiny_model, gguf_dir, "Q4_0")
+    runner = load(path, shared_data, "q4")
+    settings = make_settings(path, cache={"restore_min_tokens": 0})
+    system = "You answer in one careful sentence. " * 6
+    async with Chatd.open(settings, runner=runner, background=False) as core:
+        svc = core.sessions
+        straight = (await svc.create(system=system)).session_id
+        first = await svc.send(straight, "Question?", greedy(6)).wait()
+        second = await svc.send(straight, "And then?", greedy(8)).wait()
+        assert isinstance(first, TurnResult) and isinstance(second, TurnResult)
+
+        evicted = (await svc.create(system=system)).session_id
+        shared = await svc.send(evicted, "Question?", greedy(6)).wait()
+        assert isinstance(shared, TurnResult) and shared.usage.cached_tokens > 0  # the other session's prefix
+        assert await svc.evict(evicted)
+        back = await svc.send(evicted, "And then?", greedy(8)).wait()
+        assert isinstance(back, TurnResult) and back.usage.cache_tier == "disk"
+        assert back.assistant_message.content == second.assistant_message.content
+
+        edited = (await svc.create(system=system)).session_id
+        await svc.send(edited, "Something else entirely?", greedy(6)).wait()
+        assert isinstance(await svc.edit(edited, 1, "Question?", greedy(6)).wait(), TurnResult)
+        after_edit = await svc.send(edited, "And then?", greedy(8)).wait()
+        assert isinstance(after_edit, TurnResult)
+        assert after_edit.assistant_message.content == second.assistant_message.content
+
+
+def chatd_models(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATD_")}
+    return subprocess.run([sys.executable, "-m", "chatd", "models", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=env)
+
+
+def test_chatd_models_reports_what_a_source_holds(tiny_model: torch.nn.Module, gguf_dir: Path, tiny_dir: Path,
+                                                  tmp_path: Path) -> None:
+    path = written(tiny_model, gguf_dir, "Q8_0")
+    run = chatd_models("--model", str(path), "--json")
+    assert run.returncode == 0, run.stderr
+    facts = json.loads(run.stdout)
+    assert (facts["format"], facts["architecture"], facts["num_layers"]) == ("gguf", "llama", 2)
+    assert facts["parameters"] == sum(p.numel() for p in tiny_model.parameters())
+    assert facts["tensor_types"]["attn_q"] == "Q8_0" and facts["compact_forward"] is True
+    assert facts["q4_blocks_as_they_are"] is False and facts["q4_why_quantised"] == "attn_q is Q8_0"
+    # 2 layers x 2 KV heads x K and V x 16 values: fp32 4 bytes each, bf16 2, int8 1 plus a 4-byte scale
+    assert facts["kv_bytes_per_token"] == {"float32": 512, "bfloat16": 256, "int8": 8 * 20}
+
+    folder = json.loads(chatd_models("--model", str(tiny_dir), "--json").stdout)
+    assert (folder["format"], folder["architecture"], folder["compact_forward"]) == ("transformers", "llama", True)
+    assert folder["parameters"] >= facts["parameters"] and folder["tensor_types"]["self_attn.q_proj"] == "F32"
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)).save_pretrained(gpt2)
+    other = json.loads(chatd_models("--model", str(gpt2), "--json").stdout)
+    assert other["architecture"] == "gpt2" and other["compact_forward"] is False
+    assert "not a supported Llama-family decoder" in other["compact_forward_why_not"]
+    text = chatd_models("--model", str(path)).stdout
+    assert "compact forward  yes" in text and "quantises on load (attn_q is Q8_0)" in text
+
+    missing = chatd_models("--model", str(tmp_path / "nothing-here"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "nothing-here" in missing.stderr
+
+
+def test_a_server_on_a_gguf_file_says_what_it_runs(tiny_model: torch.nn.Module, gguf_dir: Path,
+                                                   tmp_path: Path) -> None:
+    path = written(tiny_model, gguf_dir, "Q4_1")
+    server = ServerProcess(tmp_path / "server", path).start()
+    try:
+        models = httpx.get(f"{server.http_url}/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["tiny"]
+        ours = models[0]["chatd"]
+        assert ours["weights"] == "q4" and ours["weights_from"] == f"the blocks of {path.name} as they are"
+        assert ours["architecture"] == "llama" and ours["compact_forward"] is True
+        stats = httpx.get(f"{server.http_url}/admin/stats", headers=server.admin_headers, timeout=30).json()
+        assert stats["model"]["weights_from"] == ours["weights_from"]
+        assert stats["model"]["parameters"] == ours["parameters"] > 0
+        reply = httpx.post(f"{server.http_url}/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Hello"}]})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        server.stop()
