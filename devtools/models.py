@@ -22,16 +22,18 @@ def packaged_model_dir() -> Path:
     return convert_packaged_model(CACHE_DIR / "data")
 
 
-def tiny_model_dir() -> Path:
-    """A 2-layer random-init llama with SmolLM2's real tokenizer and chat template (fast tests)."""
-    target = CACHE_DIR / f"tiny-llama-v{TINY_VERSION}"
+def tiny_model_dir(wide: bool = False) -> Path:
+    """A 2-layer random-init llama with SmolLM2's real tokenizer and chat template (fast tests). ``wide``: hidden
+    256 and intermediate 512, so every matrix's rows hold whole K-quant super-blocks of 256."""
+    target = CACHE_DIR / f"tiny-llama{'-wide' if wide else ''}-v{TINY_VERSION}"
     if (target / "config.json").exists():
         return target
     real = packaged_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(real)
+    hidden, head_dim = (256, 64) if wide else (64, 16)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4096,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from chatd.engine.model import quant
+from chatd.engine.model import gguf_weights, quant
 from chatd.engine.model.packaged import PACKAGED_GGUF
 from chatd.engine.model.packaged import packaged_model_dir as packaged_gguf_dir
 from tests import support
@@ -159,11 +159,11 @@ def test_lm_head_matches_dequantized_fp32(lm_head: tuple[quant.Q8_0Linear, torch
 
 
 def test_read_layer_fuses_in_transformers_layout(reader: gguf.GGUFReader, reference: object) -> None:
-    dims = quant.read_dims(reader)
+    dims = gguf_weights.read_dims(reader)
     assert (dims.hidden_size, dims.num_layers, dims.num_heads, dims.num_kv_heads, dims.head_dim) == (576, 30, 9, 3, 64)
     assert (dims.intermediate_size, dims.vocab_size, dims.rope_theta) == (1536, 49152, 100000.0)
     assert dims.rms_norm_eps == pytest.approx(1e-5)
-    layer = quant.read_layer(reader, dims, 0)
+    layer = gguf_weights.read_layer(reader, dims, 0)
     torch.manual_seed(3)
     x = torch.randn(4, 576)
     qkv_want = x @ torch.cat([hf_weight(reference, 0, n) for n in ("attn_q", "attn_k", "attn_v")]).T

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from chatd.engine.model.gguf_file import describe_gguf
+from chatd.engine.model.gguf_file import is_vector_kind as _vector_kind
+from chatd.engine.model.gguf_weights import how_type_runs
 from chatd.engine.model.packaged import PACKAGED_GGUF, packaged_model_dir
 from chatd.engine.model.quantise import q4_blocks_problem
 from chatd.engine.model.weights import LlamaShape
@@ -53,6 +55,16 @@ class SourceFacts:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * row_width(dtype, self.head_dim) * element
 
+    def q4_runs_as(self) -> dict[str, str]:
+        """GGUF only: each quantised matrix kind -> how ``weights = "q4"`` runs its blocks."""
+        def how(kind: str, type_name: str) -> str:
+            if kind in ("token_embd", "output") and type_name in ("Q4_0", "Q4_1", "Q4_K"):
+                return f"{type_name} requantised to Q8_0 (lossy)"  # the row lookup and the head run Q8_0
+            return f"{type_name} {how_type_runs(type_name)}"
+
+        return {kind: "; ".join(how(kind, t) for t in types.split("+"))
+                for kind, types in self.tensor_types.items() if self.format == "gguf" and not _vector_kind(kind)}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source, "path": self.path, "format": self.format, "architecture": self.architecture,
@@ -63,6 +75,7 @@ class SourceFacts:
             "compact_forward": self.compact_forward is None, "compact_forward_why_not": self.compact_forward,
             "q4_blocks_as_they_are": self.format == "gguf" and self.q4_blocks is None,
             "q4_why_quantised": self.q4_blocks,
+            "q4_runs_as": self.q4_runs_as() if self.q4_blocks is None else {},
         }
 
     def describe(self) -> str:
@@ -78,9 +91,11 @@ class SourceFacts:
             "  compact forward  " + ("yes" if self.compact_forward is None
                                     else f"no ({self.compact_forward}): transformers' forward runs it"),
         ]
-        if self.format == "gguf":
-            lines.append("  weights = q4     " + ("runs the file's blocks as they are" if self.q4_blocks is None
-                                                  else f"quantises on load ({self.q4_blocks})"))
+        if self.format == "gguf" and self.q4_blocks is None:
+            lines.append("  weights = q4     runs the file's blocks:")
+            lines.extend(f"    {kind:<15}{how}" for kind, how in self.q4_runs_as().items())
+        elif self.format == "gguf":
+            lines.append(f"  weights = q4     quantises on load ({self.q4_blocks})")
         lines.append("  tensors          " + ", ".join(f"{k} {t}" for k, t in self.tensor_types.items()))
         return "\n".join(lines)
 

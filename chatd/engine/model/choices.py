@@ -12,7 +12,7 @@ import torch
 
 from chatd.engine.kernels.loader import EngineKernels
 from chatd.engine.model.forward import LlamaForward
-from chatd.engine.model.quant import load_gguf_weights
+from chatd.engine.model.gguf_weights import load_gguf_weights
 from chatd.engine.model.weights import (
     DenseLinear,
     Int8Linear,
@@ -129,6 +129,8 @@ def gguf_forward(device: torch.device, path: Path, dequantised: Any | None = Non
         raise ConfigError('model.weights = "q4" runs on the CPU; use bfloat16 on CUDA')
     tiles = kernels is not None and kernels.tile_matmul_kind is not None
     gguf = load_gguf_weights(path, kernels=kernels if tiles else None)
+    if gguf.lossy():  # the twin holds the file's values, the blocks requantised ones: they would disagree
+        dequantised = None
     if dequantised is None or tiles:
         return LlamaForward(weights_from_gguf(gguf), device)
     if bf16_matmul_is_fast():

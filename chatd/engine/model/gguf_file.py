@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,11 +71,11 @@ class GGUFSummary:
 
     def matrix_types(self) -> set[str]:
         """The types of the two-dimensional weights (norms and biases left out)."""
-        return {t for kind, types in self.tensor_types.items() if not _is_vector_kind(kind)
+        return {t for kind, types in self.tensor_types.items() if not is_vector_kind(kind)
                 for t in types.split("+")}
 
 
-def _is_vector_kind(kind: str) -> bool:
+def is_vector_kind(kind: str) -> bool:
     return kind.endswith(("norm", ".bias")) or "norm" in kind.split("_")
 
 
@@ -138,14 +139,22 @@ def _encode(values: torch.Tensor, type_name: str) -> tuple[np.ndarray, gguf.GGML
     return gguf.quants.quantize(array, kind), kind
 
 
+Encoder = Callable[[np.ndarray], np.ndarray]
+
+
 def write_llama_gguf(model: Any, path: Path, matrix_type: str, *, embedding_type: str | None = None,
-                     tokenizer_from: Path | None = None, name: str | None = None) -> None:
+                     tokenizer_from: Path | None = None, name: str | None = None,
+                     encoders: dict[str, Encoder] | None = None, kind_types: dict[str, str] | None = None) -> None:
     """Write a transformers Llama model (``LlamaForCausalLM``) as a llama GGUF with every projection in
     ``matrix_type`` (one of WRITABLE_TYPES), the token embedding (and a separate LM head) in ``embedding_type``
     (default: Q8_0 for quantised matrices, else ``matrix_type``) and the norms in F32. ``tokenizer_from``:
     a GGUF whose ``tokenizer.*`` metadata (vocabulary, merges, special tokens, chat template) is copied.
-    Written to a temporary name and renamed into place."""
-    if matrix_type not in WRITABLE_TYPES:
+    ``encoders``: more types, each an fp32 ``[N, K]`` -> block bytes ``[N, ...]`` function (the tests' K-quants).
+    ``kind_types``: the type of some tensor kinds (``attn_v``, ``output``...) where it differs, as in the mixed
+    files llama.cpp's quantiser makes (Q4_K_M keeps ``attn_v`` and ``ffn_down`` in Q6_K). Written to a temporary
+    name and renamed into place."""
+    encoders = encoders or {}
+    if matrix_type not in WRITABLE_TYPES and matrix_type not in encoders:
         raise ValueError(f"cannot write {matrix_type!r} matrices; one of {', '.join(WRITABLE_TYPES)}")
     embedding_type = embedding_type or (matrix_type if matrix_type in ("F32", "F16", "BF16") else "Q8_0")
     config = model.config
@@ -172,7 +181,12 @@ def write_llama_gguf(model: Any, path: Path, matrix_type: str, *, embedding_type
         _copy_tokenizer(gguf.GGUFReader(str(tokenizer_from)), writer)
 
     def put(tensor_name: str, values: torch.Tensor, type_name: str) -> None:
-        data, kind = _encode(values, type_name)
+        type_name = (kind_types or {}).get(tensor_kind(tensor_name), type_name)
+        if type_name in encoders:
+            array = values.detach().to(torch.float32).contiguous().numpy()
+            data, kind = encoders[type_name](array), gguf.GGMLQuantizationType[type_name]
+        else:
+            data, kind = _encode(values, type_name)
         writer.add_tensor(tensor_name, data, raw_dtype=kind)
 
     inner = model.model

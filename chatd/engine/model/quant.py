@@ -32,10 +32,9 @@ rows differently): pack on the machine that runs them, never store them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import gguf
 import numpy as np
@@ -50,9 +49,6 @@ _Q4_1_BLOCK_BYTES = 20
 _Q8_0_BLOCK_BYTES = 34
 _INNER_K_TILES = 2  # required by the packing op's signature; the CPU packing does not depend on it
 _KERNEL_N_MULTIPLE = 16  # the CPU packing op's requirement on N
-
-_T = TypeVar("_T")
-
 
 @dataclass(frozen=True)
 class Q4_1Weight:
@@ -103,6 +99,10 @@ class Q8_0Weight:
         """fp32 ``[N, K]`` with ``w = d * q``."""
         return self.rows(torch.arange(self.shape[0]))
 
+    def select_rows(self, index: torch.Tensor) -> Q8_0Weight:
+        """The weight with rows ``index`` (int64 ``[N']``) in that order."""
+        return Q8_0Weight(self.scale.index_select(0, index), self.quants.index_select(0, index))
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 ``[*ids.shape, K]``: the dequantized rows ``ids`` (an embedding lookup), equal to indexing
         :meth:`dequantize` but without materialising the whole table."""
@@ -117,6 +117,11 @@ def cat_rows(parts: Sequence[Q4_1Weight]) -> Q4_1Weight:
     """Stack Q4_1 weights with the same K along N (fused projections such as q|k|v)."""
     return Q4_1Weight(torch.cat([p.scale for p in parts]), torch.cat([p.minimum for p in parts]),
                       torch.cat([p.quants for p in parts]))
+
+
+def cat_q8_rows(parts: Sequence[Q8_0Weight]) -> Q8_0Weight:
+    """Stack Q8_0 weights with the same K along N."""
+    return Q8_0Weight(torch.cat([p.scale for p in parts]), torch.cat([p.quants for p in parts]))
 
 
 def read_tensor(tensor: Any) -> Q4_1Weight | Q8_0Weight | torch.Tensor:
@@ -388,152 +393,3 @@ class Int8RowLinear(torch.nn.Module):
         a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K] bf16
         out = torch.ops.aten._weight_int8pack_mm(a, self.weight, self.scales)  # [M, N] bf16
         return out.to(torch.float32).reshape(*lead, self.out_features)
-
-
-@dataclass(frozen=True)
-class LlamaDims:
-    """The model's shape and constants, read from the GGUF metadata."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    context_length: int
-    rope_theta: float
-    rms_norm_eps: float
-    bos_token_id: int | None
-    eos_token_id: int | None
-
-    @property
-    def q_size(self) -> int:
-        """Rows of Q in the fused qkv output (``num_heads * head_dim``)."""
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        """Rows of K, and of V, in the fused qkv output (``num_kv_heads * head_dim``)."""
-        return self.num_kv_heads * self.head_dim
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    """One decoder layer. ``qkv(x)`` splits as ``[q_size, kv_size, kv_size]`` with q and k rows already in
-    transformers' rotate-half RoPE layout; ``gate_up(x)`` splits as ``[intermediate, intermediate]``."""
-
-    attn_norm: torch.Tensor  # [H] fp32
-    qkv: Q4Linear  # H -> q_size + 2 * kv_size
-    o: Q4Linear  # q_size -> H
-    ffn_norm: torch.Tensor  # [H] fp32
-    gate_up: Q4Linear  # H -> 2 * I
-    down: Q4Linear  # I -> H
-
-
-@dataclass(frozen=True)
-class GGUFWeights:
-    """Everything a compact Llama forward needs, at the file's precision. ``embed_tokens.rows(ids)`` gives
-    the fp32 embeddings (equal to the fp32 table, without keeping one); ``lm_head(x)`` gives fp32 logits."""
-
-    dims: LlamaDims
-    embed_tokens: Q8_0Weight
-    layers: tuple[LayerWeights, ...]
-    final_norm: torch.Tensor  # [H] fp32
-    lm_head: torch.nn.Module | TileQ8Linear  # fp32 [..., H] -> fp32 [..., vocab]
-
-
-def read_dims(reader: gguf.GGUFReader) -> LlamaDims:
-    """The llama dimensions and constants from a GGUF file's metadata (``llama.*`` keys)."""
-
-    def field(key: str, default: Any = None) -> Any:
-        found = reader.fields.get(key)
-        return default if found is None else found.contents()
-
-    arch = str(field("general.architecture"))
-    if arch != "llama":
-        raise ValueError(f"expected a llama GGUF, got architecture {arch!r}")
-    hidden = int(field("llama.embedding_length"))
-    heads = int(field("llama.attention.head_count"))
-    vocab = field("llama.vocab_size")
-    if vocab is None:
-        vocab = len(field("tokenizer.ggml.tokens", []))
-    return LlamaDims(
-        hidden_size=hidden,
-        num_layers=int(field("llama.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(field("llama.attention.head_count_kv", heads)),
-        head_dim=int(field("llama.rope.dimension_count", hidden // heads)),
-        intermediate_size=int(field("llama.feed_forward_length")),
-        vocab_size=int(vocab),
-        context_length=int(field("llama.context_length")),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-        bos_token_id=_optional_int(field("tokenizer.ggml.bos_token_id")),
-        eos_token_id=_optional_int(field("tokenizer.ggml.eos_token_id")),
-    )
-
-
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _typed(tensors: dict[str, Any], name: str, kind: type[_T]) -> _T:
-    value = read_tensor(tensors[name])
-    if not isinstance(value, kind):
-        raise ValueError(f"{name}: expected {kind.__name__}, got {tensors[name].tensor_type!r}")
-    return value
-
-
-def read_layer(reader: gguf.GGUFReader, dims: LlamaDims, index: int,
-               make: Callable[[Q4_1Weight], Q4Linear] = Int4Linear) -> LayerWeights:
-    """Decoder layer ``index`` of a llama GGUF with Q4_1 matrices, each made a projection by ``make`` (the
-    int4 kernel's by default; q and k rows reordered to transformers' layout, q|k|v and gate|up fused)."""
-    tensors = {t.name: t for t in reader.tensors}
-    p = f"blk.{index}."
-
-    def q4(name: str) -> Q4_1Weight:
-        return _typed(tensors, p + name, Q4_1Weight)
-
-    qkv = cat_rows([q4("attn_q.weight").select_rows(rope_row_order(dims.num_heads, dims.head_dim)),
-                    q4("attn_k.weight").select_rows(rope_row_order(dims.num_kv_heads, dims.head_dim)),
-                    q4("attn_v.weight")])
-    return LayerWeights(
-        attn_norm=_typed(tensors, p + "attn_norm.weight", torch.Tensor),
-        qkv=make(qkv),
-        o=make(q4("attn_output.weight")),
-        ffn_norm=_typed(tensors, p + "ffn_norm.weight", torch.Tensor),
-        gate_up=make(cat_rows([q4("ffn_gate.weight"), q4("ffn_up.weight")])),
-        down=make(q4("ffn_down.weight")),
-    )
-
-
-def load_gguf_weights(path: str | Path, lm_head: str = "q8_0", kernels: Any | None = None) -> GGUFWeights:
-    """Read a llama GGUF whose matrices are Q4_1 (token embedding / LM head Q8_0) and pack them for the
-    int4 kernel, or for the native tile kernel where ``kernels`` (:class:`chatd.engine.kernels.loader.EngineKernels`)
-    has one (AMX or AVX512-VNNI). ``lm_head``: ``"q8_0"`` (exact, :class:`Q8_0Linear`) or ``"int8_rows"``
-    (:class:`Int8RowLinear`). A separate ``output.weight`` is used for the head when the file has one.
-    Takes ~3.5 s on one core here; the result holds no fp32 copy of a quantized matrix."""
-    make: Callable[[Q4_1Weight], Q4Linear] = Int4Linear
-    if kernels is not None and kernels.tile_matmul_kind:
-        def make(weight: Q4_1Weight) -> Q4Linear:
-            return TileQ4Linear(weight, kernels)
-    reader = gguf.GGUFReader(str(path))
-    dims = read_dims(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    embed = _typed(tensors, "token_embd.weight", Q8_0Weight)
-    head_weight = _typed(tensors, "output.weight", Q8_0Weight) if "output.weight" in tensors else embed
-    head: torch.nn.Module | TileQ8Linear
-    if lm_head == "q8_0" and kernels is not None and kernels.tile_matmul_kind:
-        head = TileQ8Linear(head_weight, kernels)
-    elif lm_head == "q8_0":
-        head = Q8_0Linear(head_weight)
-    elif lm_head == "int8_rows":
-        head = Int8RowLinear(head_weight)
-    else:
-        raise ValueError(f"lm_head must be 'q8_0' or 'int8_rows', got {lm_head!r}")
-    return GGUFWeights(
-        dims=dims, embed_tokens=embed,
-        layers=tuple(read_layer(reader, dims, i, make) for i in range(dims.num_layers)),
-        final_norm=_typed(tensors, "output_norm.weight", torch.Tensor), lm_head=head,
-    )

@@ -1,6 +1,7 @@
-"""``[model] weights = "q4"`` for any Llama-shaped source: the file's own Q4_0 / Q4_1 blocks where the source is
-a GGUF that holds them, otherwise the weights quantised on load to Q4_1 (token embedding and LM head Q8_0) and
-cached on disk as a GGUF, so later starts read the blocks instead of quantising again.
+"""``[model] weights = "q4"`` for any Llama-shaped source: the file's own quantised blocks where the source is a
+GGUF that holds them (each type as :mod:`chatd.engine.model.gguf_weights` runs it), otherwise the weights
+quantised on load to Q4_1 (token embedding and LM head Q8_0) and cached on disk as a GGUF, so later starts read
+the blocks instead of quantising again.
 
 Quantising is lossy: the load log and ``/admin/stats`` (``model.weights_from``) say so, and
 ``python -m benchmarks.quality`` measures the agreement with the unquantised forward.
@@ -17,26 +18,30 @@ from chatd.engine.model.gguf_file import GGUFSummary, describe_gguf, write_llama
 
 log = logging.getLogger(__name__)
 
-Q4_MATRIX_TYPES = frozenset({"Q4_0", "Q4_1"})  # run as they are (Q4_0 as the Q4_1 blocks of the same values)
-Q4_TABLE_TYPES = frozenset({"Q8_0"})  # the token embedding and the LM head
+UNQUANTISED_TYPES = frozenset({"F32", "F16", "BF16"})  # q4 quantises these on load rather than run them
 _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 QUANTISED_VERSION = 1  # bump when the cached file's layout or quantiser changes
 
 
 def q4_blocks_problem(summary: GGUFSummary) -> str | None:
-    """Why a GGUF's blocks cannot run as ``q4`` as they are (None when they can): a llama file whose projections
-    are Q4_0 / Q4_1 and whose token embedding (and LM head, when separate) is Q8_0."""
+    """Why a GGUF's own blocks cannot run as ``q4`` (None when they can): a llama file whose projections are
+    quantised (any ggml block type; gguf_weights.read_blocks says per type how it runs)."""
     if summary.architecture != "llama":
         return f"architecture {summary.architecture!r}"
     for kind in _PROJECTIONS:
         types = set(summary.tensor_types.get(kind, "missing").split("+"))
-        if not types <= Q4_MATRIX_TYPES:
+        if types & UNQUANTISED_TYPES or "missing" in types:
             return f"{kind} is {'+'.join(sorted(types))}"
-    for kind in ("token_embd", "output"):
-        table = summary.tensor_types.get(kind)
-        if table is not None and not set(table.split("+")) <= Q4_TABLE_TYPES:
-            return f"{kind} is {table}"
     return None
+
+
+def describe_runs_as(file_name: str, runs_as: dict[str, str]) -> str:
+    """``weights_from`` for a GGUF's blocks: as they are, or which kinds were repacked or requantised."""
+    changed = {kind: how for kind, how in runs_as.items() if not how.endswith(("as it is", "(exact)"))}
+    if not changed:
+        return f"the blocks of {file_name} as they are"
+    lossy = " (lossy)" if any("lossy" in how for how in changed.values()) else ""
+    return f"the blocks of {file_name}{lossy}; " + ", ".join(f"{kind} {how}" for kind, how in changed.items())
 
 
 def runnable_q4_file(gguf_path: Path | None) -> tuple[Path | None, str]:

@@ -50,7 +50,7 @@ from chatd.engine.model.packaged import (
     folder_weights_hash,
     source_gguf,
 )
-from chatd.engine.model.quantise import quantised_q4_file, runnable_q4_file
+from chatd.engine.model.quantise import describe_runs_as, quantised_q4_file, runnable_q4_file
 from chatd.engine.pool.hugepages import advise_huge_pages, populate_in_background
 from chatd.engine.pool.kvcache import BLOCK_SIZE, KVPool, SessionKV, appending
 from chatd.engine.pool.paged import row_width
@@ -180,8 +180,8 @@ class ModelRunner:
         kv_dtype = resolve_kv_dtype(settings.dtype, device, weights, native=kernels is not None)
         weights_from = "the source's own weights"
         if weights == "q4" and q4_file is not None:
-            weights_from = f"the blocks of {q4_file.name} as they are"
             forward = gguf_forward(device, q4_file, model, kernels)
+            weights_from = describe_runs_as(q4_file.name, forward.weights.runs_as)
         elif weights == "q4":
             # Quantised here: the dense twin would hold the unquantised weights, so batches run the blocks too.
             q4_file = quantised_q4_file(model, data_dir, weights_hash)

@@ -6,14 +6,14 @@ transformers model or from a GGUF's own quantised blocks (:mod:`chatd.engine.mod
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
 from chatd.engine.kernels.cpu import cpu_features
-from chatd.engine.model.quant import GGUFWeights
+from chatd.engine.model.gguf_weights import GGUFWeights
 
 # Model types whose forward this module has been checked to reproduce (tests/test_llama_forward.py);
 # anything else keeps transformers' forward. Mistral and Qwen2 share the arithmetic but wait for a test
@@ -214,6 +214,8 @@ class LlamaWeights:
     layers: list[LlamaLayer]
     norm: torch.Tensor  # [hidden] fp32
     lm_head: Linear  # hidden -> vocab
+    runs_as: dict[str, str] = field(default_factory=dict)
+    """From a GGUF: tensor kind -> how its blocks run (gguf_weights.read_blocks); empty otherwise."""
 
 
 def weights_from_transformers(model: Any, make_linear: Callable[[torch.Tensor, torch.Tensor | None], Linear]
@@ -282,4 +284,5 @@ def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None, min_
             gate_up=pick(layer.gate_up, twin.gate_up if twin else None),
             down=pick(layer.down, twin.down if twin else None)))
     return LlamaWeights(shape=shape, embed=gguf.embed_tokens.rows, layers=layers, norm=gguf.final_norm,
-                        lm_head=pick(cast(Linear, gguf.lm_head), dense.lm_head if dense is not None else None))
+                        lm_head=pick(cast(Linear, gguf.lm_head), dense.lm_head if dense is not None else None),
+                        runs_as=dict(gguf.runs_as))
