@@ -19,6 +19,7 @@ from chatd.engine.model.runner import ModelRunner
 from chatd.server.app import create_app
 from chatd.server.transport import WebSocketProtocol
 from chatd.service.core import Chatd
+from chatd.service.types import GenerationOptions, TurnResult
 from devtools.models import CACHE_DIR, ROOT, packaged_model_dir, tiny_model_dir
 from devtools.reference import reference_greedy
 from devtools.servers import LoopbackServer, ServerProcess, free_port
@@ -137,3 +138,34 @@ def proc_resources(pid: int) -> dict[str, int]:
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return {"rss_kib": int(status["VmRSS"].split()[0]), "fds": len(os.listdir(f"/proc/{pid}/fd")),
             "threads": int(status["Threads"])}
+
+
+async def assert_cache_paths_exact(runner: ModelRunner, settings: Settings) -> None:
+    """Through the service on ``runner``: a turn after an eviction to disk (restored from the snapshot), a session
+    started from another's resident prefix, and a turn after an edit each reply as a session that computed the
+    same history straight through (greedy), so the cache's K/V are the bits a recompute gives."""
+    def greedy(n: int) -> GenerationOptions:
+        return GenerationOptions(max_tokens=n, temperature=0.0)
+
+    system = "You answer in one careful sentence. " * 6
+    async with Chatd.open(settings, runner=runner, background=False) as core:
+        svc = core.sessions
+        straight = (await svc.create(system=system)).session_id
+        first = await svc.send(straight, "Question?", greedy(6)).wait()
+        second = await svc.send(straight, "And then?", greedy(8)).wait()
+        assert isinstance(first, TurnResult) and isinstance(second, TurnResult)
+
+        evicted = (await svc.create(system=system)).session_id
+        shared = await svc.send(evicted, "Question?", greedy(6)).wait()
+        assert isinstance(shared, TurnResult) and shared.usage.cached_tokens > 0  # the other session's prefix
+        assert await svc.evict(evicted)
+        back = await svc.send(evicted, "And then?", greedy(8)).wait()
+        assert isinstance(back, TurnResult) and back.usage.cache_tier == "disk"
+        assert back.assistant_message.content == second.assistant_message.content
+
+        edited = (await svc.create(system=system)).session_id
+        await svc.send(edited, "Something else entirely?", greedy(6)).wait()
+        assert isinstance(await svc.edit(edited, 1, "Question?", greedy(6)).wait(), TurnResult)
+        after_edit = await svc.send(edited, "And then?", greedy(8)).wait()
+        assert isinstance(after_edit, TurnResult)
+        assert after_edit.assistant_message.content == second.assistant_message.content

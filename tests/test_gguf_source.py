@@ -27,12 +27,10 @@ from chatd.engine.model.quant import Q4_1Weight, Q8_0Weight, read_tensor
 from chatd.engine.model.quantise import q4_blocks_problem
 from chatd.engine.model.runner import ModelRunner
 from chatd.errors import ConfigError
-from chatd.service.core import Chatd
-from chatd.service.types import GenerationOptions, TurnResult
 from devtools.kquants import ENCODERS
 from devtools.models import ROOT, tiny_model_dir
 from devtools.reference import teacher_forced_agreement
-from tests.support import ServerProcess
+from tests.support import ServerProcess, assert_cache_paths_exact
 
 # Teacher-forced bounds for q4 (activations rounded to int8 or bf16 into the kernels) against the fp32 forward
 # over the same blocks dequantised, on the tiny model (logits of a few units: its LM head is drawn with std 0.5).
@@ -70,10 +68,6 @@ def written(model: torch.nn.Module, folder: Path, matrix_type: str) -> Path:
 def dequantised_reference(path: Path) -> torch.nn.Module:
     """transformers' own reading of the file: the weights dequantised to fp32, its forward."""
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-
-def greedy(n: int) -> GenerationOptions:
-    return GenerationOptions(max_tokens=n, temperature=0.0)
 
 
 def load(path: Path, data_dir: Path, weights: str) -> ModelRunner:
@@ -173,34 +167,9 @@ def test_a_bad_gguf_source_is_a_clear_error(tmp_path: Path) -> None:
 
 async def test_a_gguf_q4_model_resumes_restores_and_edits_like_one_computed_at_once(
         tiny_model: torch.nn.Module, gguf_dir: Path, shared_data: Path, make_settings: Any) -> None:
-    """A GGUF source's q4 blocks through the service: a turn after an eviction to disk (restored from the
-    snapshot), a session started from another's resident prefix, and a turn after an edit, each reply equal to
-    that of a session that computed the same history straight through."""
     path = written(tiny_model, gguf_dir, "Q4_0")
     runner = load(path, shared_data, "q4")
-    settings = make_settings(path, cache={"restore_min_tokens": 0})
-    system = "You answer in one careful sentence. " * 6
-    async with Chatd.open(settings, runner=runner, background=False) as core:
-        svc = core.sessions
-        straight = (await svc.create(system=system)).session_id
-        first = await svc.send(straight, "Question?", greedy(6)).wait()
-        second = await svc.send(straight, "And then?", greedy(8)).wait()
-        assert isinstance(first, TurnResult) and isinstance(second, TurnResult)
-
-        evicted = (await svc.create(system=system)).session_id
-        shared = await svc.send(evicted, "Question?", greedy(6)).wait()
-        assert isinstance(shared, TurnResult) and shared.usage.cached_tokens > 0  # the other session's prefix
-        assert await svc.evict(evicted)
-        back = await svc.send(evicted, "And then?", greedy(8)).wait()
-        assert isinstance(back, TurnResult) and back.usage.cache_tier == "disk"
-        assert back.assistant_message.content == second.assistant_message.content
-
-        edited = (await svc.create(system=system)).session_id
-        await svc.send(edited, "Something else entirely?", greedy(6)).wait()
-        assert isinstance(await svc.edit(edited, 1, "Question?", greedy(6)).wait(), TurnResult)
-        after_edit = await svc.send(edited, "And then?", greedy(8)).wait()
-        assert isinstance(after_edit, TurnResult)
-        assert after_edit.assistant_message.content == second.assistant_message.content
+    await assert_cache_paths_exact(runner, make_settings(path, cache={"restore_min_tokens": 0}))
 
 
 def chatd_models(*args: str) -> subprocess.CompletedProcess[str]:

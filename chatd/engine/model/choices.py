@@ -88,6 +88,15 @@ def resolve_weights(setting: str, device: torch.device, config: Any, *, has_gguf
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
+def compact_forward_problem(config: Any) -> str:
+    """Why the compact forward does not run a model (the setting, where it could)."""
+    try:
+        LlamaShape.from_config(config)
+    except ValueError as exc:
+        return str(exc)
+    return 'model.weights = "transformers"'
+
+
 def compact_forward(model: Any, weights: str, device: torch.device) -> LlamaForward:
     """The compact forward over ``model``'s weights stored as ``weights`` (a dense dtype name or int8).
     For ``q4`` see :func:`gguf_forward`."""

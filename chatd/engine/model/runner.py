@@ -34,6 +34,7 @@ from chatd.engine.kernels.cpu import cpu_features
 from chatd.engine.kernels.loader import EngineKernels, load_kernels
 from chatd.engine.model.choices import (
     compact_forward,
+    compact_forward_problem,
     gguf_forward,
     resolve_device,
     resolve_dtype,
@@ -183,12 +184,17 @@ class ModelRunner:
             forward = gguf_forward(device, q4_file, model, kernels)
             weights_from = describe_runs_as(q4_file.name, forward.weights.runs_as)
         elif weights == "q4":
+            if config.model_type != "llama":  # the quantised cache is a llama GGUF (no biases, no other layout)
+                raise ConfigError(f'model.weights = "q4" quantises on load Llama models only, not '
+                                  f'{config.model_type!r}: use float32, bfloat16 or int8')
             # Quantised here: the dense twin would hold the unquantised weights, so batches run the blocks too.
             q4_file = quantised_q4_file(model, data_dir, weights_hash)
             weights_from = f"quantised on load to Q4_1, lossy ({not_q4}); cached as {q4_file.name}"
             forward = gguf_forward(device, q4_file, None, kernels)
         elif weights != "transformers":
             forward = compact_forward(model, weights, device)
+        else:
+            weights_from = f"the source's own weights on transformers' forward ({compact_forward_problem(config)})"
         if forward is not None and kernels is not None:
             shape = forward.shape
             if kernels.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim, BLOCK_SIZE):

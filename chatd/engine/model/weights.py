@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from chatd.engine.kernels.cpu import cpu_features
 from chatd.engine.model.gguf_weights import GGUFWeights
 
-# Model types whose forward this module has been checked to reproduce (tests/test_llama_forward.py);
-# anything else keeps transformers' forward. Mistral and Qwen2 share the arithmetic but wait for a test
-# with real weights of their own.
-SUPPORTED_MODEL_TYPES = frozenset({"llama"})
+# Model types whose forward this module has been checked to reproduce (tests/test_llama_forward.py and
+# tests/test_architectures.py): Mistral is Llama's arithmetic (its sliding window only where it is at least the
+# context), Qwen2 adds q/k/v biases. Anything else keeps transformers' forward.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
 
 class Linear(Protocol):
@@ -184,8 +184,10 @@ class LlamaShape:
             raise ValueError(f"RoPE type {rope_type!r} is not supported by the compact forward")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {config.hidden_act!r} is not supported by the compact forward")
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            raise ValueError("sliding-window attention is not supported by the compact forward")
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+            raise ValueError(f"sliding-window attention ({window} of {config.max_position_embeddings} positions) "
+                             "is not supported by the compact forward")
         heads = config.num_attention_heads
         return cls(
             num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
