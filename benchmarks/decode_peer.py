@@ -1,7 +1,11 @@
-"""Decode speed side by side with llama.cpp's llama-server: same packaged model, same threads, one run.
+"""Decode speed side by side with llama.cpp's llama-server: same model file, same threads, one run.
 
     python -m benchmarks.decode_peer --llama-server PATH [--threads 2] [--weights float32,q4,q4/bfloat16]
                                      [--contexts 256,1024,2048] [--tokens 64] [--rounds 3] [--batch 8,16]
+                                     [--gguf FILE]
+
+The packaged GGUF unless ``--gguf`` names another (``python -m benchmarks.shapes`` writes random-weight ones of
+real models' shapes in each quantisation type).
 
 For each context length a greedy decode of ``--tokens`` tokens after a prompt of that many tokens: chatd's
 engine step (``ModelRunner.prefill`` then ``ModelRunner.decode`` one token at a time, the calls the engine
@@ -87,18 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", default="", help="also measure N sessions at once, e.g. 8,16")
+    parser.add_argument("--gguf", type=Path, help="another GGUF than the packaged one, for both (e.g. one that "
+                        "python -m benchmarks.shapes wrote)")
     args = parser.parse_args(argv)
-    gguf = packaged_gguf()
+    gguf = args.gguf or packaged_gguf()
     if not args.llama_server or gguf is None:
         print("needs --llama-server (make peer builds it) and the packaged GGUF", file=sys.stderr)
         return 2
+    source = str(gguf) if args.gguf else "packaged"
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     packaged_model_dir()  # converted once into CACHE_DIR/data, where ModelRunner.load finds it
     runners = {}
     for entry in args.weights.split(","):
         weights, _, kv = entry.partition("/")
-        settings = ModelSettings(source="packaged", weights=weights, dtype=kv or "auto", threads=args.threads)
+        settings = ModelSettings(source=source, weights=weights, dtype=kv or "auto", threads=args.threads)
         runners[entry] = ModelRunner.load(settings, CACHE_DIR / "data")
         runners[entry].pool.wait_populated()  # timed steps do not share the cores with it
     any_runner = next(iter(runners.values()))
@@ -124,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             server.stop()
-    print(f"decode tok/s, median of {args.rounds} alternating rounds, {args.tokens} tokens, "
+    print(f"{gguf.name}: decode tok/s, median of {args.rounds} alternating rounds, {args.tokens} tokens, "
           f"{args.threads} threads, torch {torch.__version__}")
+    for name, runner in runners.items():
+        print(f"chatd {name}: {runner.info.weights_from}")
     names = [*runners, "llama-server"]
     print("| context | sessions | " + " | ".join(names) + " | " +
           " | ".join(f"{n} ÷ llama-server" for n in runners) + " |")
