@@ -53,7 +53,7 @@ def per_type(types: list[str]) -> None:
                     print(f"| {name} | {type_name} | n/a: rows of {model.config.hidden_size} hold no whole "
                           "super-block | | | |")
                     continue
-                path = Path(scratch) / f"{len(name)}-{type_name}.gguf"
+                path = Path(scratch) / f"{folder.name}-{type_name}.gguf"
                 write_llama_gguf(model, path, matrix_type, tokenizer_from=packaged_gguf_dir() / PACKAGED_GGUF,
                                  encoders=ENCODERS, kind_types=kinds)
                 runner = ModelRunner.load(ModelSettings(source=str(path), weights="q4"), Path(scratch))
@@ -64,11 +64,14 @@ def per_type(types: list[str]) -> None:
 
 
 def main() -> None:
+    import argparse
     import dataclasses
-    import sys
 
-    if len(sys.argv) == 3 and sys.argv[1] == "--types":
-        per_type(sys.argv[2].split(","))
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality")
+    parser.add_argument("--types", help="GGUF types to measure as q4 runs them, e.g. Q4_0,Q8_0,Q4_K_M")
+    args = parser.parse_args()
+    if args.types:
+        per_type(args.types.split(","))
         return
 
     from transformers import AutoModelForCausalLM

@@ -27,6 +27,7 @@ from chatd.engine.model.quant import Q4_1Weight, Q8_0Weight, read_tensor
 from chatd.engine.model.quantise import q4_blocks_problem
 from chatd.engine.model.runner import ModelRunner
 from chatd.errors import ConfigError
+from chatd.preflight import check_model_source
 from devtools.kquants import ENCODERS
 from devtools.models import ROOT, tiny_model_dir
 from devtools.reference import teacher_forced_agreement
@@ -84,9 +85,10 @@ def test_describe_names_each_tensor_kinds_type(tiny_model: torch.nn.Module, gguf
     assert summary.tensor_types["attn_q"] == "Q4_0" and summary.tensor_types["ffn_down"] == "Q4_0"
     assert summary.tensor_types["token_embd"] == "Q8_0" and summary.tensor_types["attn_norm"] == "F32"
     assert summary.matrix_types() == {"Q4_0", "Q8_0"}
-    assert q4_blocks_problem(summary) is None
-    assert q4_blocks_problem(describe_gguf(written(tiny_model, gguf_dir, "Q8_0"))) is None
-    assert q4_blocks_problem(describe_gguf(written(tiny_model, gguf_dir, "F16"))) == "attn_q is F16"
+    assert q4_blocks_problem(summary.architecture, summary.tensor_types) is None
+    for matrix_type, problem in (("Q8_0", None), ("F16", "attn_q is F16")):
+        other = describe_gguf(written(tiny_model, gguf_dir, matrix_type))
+        assert q4_blocks_problem(other.architecture, other.tensor_types) == problem
 
 
 def test_q4_0_blocks_read_as_the_q4_1_blocks_of_the_same_values(tiny_model: torch.nn.Module, gguf_dir: Path) -> None:
@@ -162,6 +164,8 @@ def test_a_bad_gguf_source_is_a_clear_error(tmp_path: Path) -> None:
         load(bogus, tmp_path / "data", "auto")
     with pytest.raises(ConfigError, match=r"missing\.gguf"):
         load(tmp_path / "missing.gguf", tmp_path / "data", "auto")
+    with pytest.raises(ConfigError, match=r"model\.gguf is not a GGUF file"):  # what chatd serve checks first
+        check_model_source(ModelSettings(source=str(bogus)))
     assert not (tmp_path / "data" / "models").exists() or not any((tmp_path / "data" / "models").iterdir())
 
 
@@ -301,3 +305,18 @@ def test_q4_runs_every_quantised_type(wide_model: torch.nn.Module, gguf_dir: Pat
     agreement = teacher_forced_agreement(runner, runner.model)
     assert agreement.ratio >= Q4_MIN_AGREEMENT and agreement.clear_misses == 0
     assert agreement.max_abs_diff < WIDE_MAX_LOGIT_DIFF
+
+
+def test_a_model_card_keeps_the_files_tensor_types(tiny_model: torch.nn.Module, gguf_dir: Path,
+                                                   tmp_path: Path) -> None:
+    """The q4 decision reads the converted folder's card, not the file's headers (seconds at every start);
+    a card written before it kept them gets them at the next start."""
+    path = written(tiny_model, gguf_dir, "Q4_1")
+    load(path, tmp_path, "float32")
+    (card_path,) = (tmp_path / "models").glob("*/chatd-model.json")
+    card = json.loads(card_path.read_text())
+    assert card["gguf_architecture"] == "llama" and card["gguf_tensor_types"]["attn_q"] == "Q4_1"
+    old = {k: v for k, v in card.items() if not k.startswith("gguf_")}
+    card_path.write_text(json.dumps(old))
+    assert load(path, tmp_path, "auto").info.weights == "q4"
+    assert json.loads(card_path.read_text()) == card

@@ -81,6 +81,7 @@ def _one_line_error(run: subprocess.CompletedProcess[str]) -> str:
     ({"CHATD_STORE__URL": "sqlite:///x.db"}, "write sqlite+aiosqlite://"),
     ({"CHATD_STORE__URL": "mysql://x/y"}, "not a supported database URL"),
     ({"CHATD_MODEL__SOURCE": "/no/such/model"}, "no model folder at /no/such/model"),
+    ({"CHATD_MODEL__SOURCE": "/no/such/model.gguf"}, "no GGUF file at /no/such/model.gguf"),
     ({"CHATD_SERVR__PORT": "8001"}, "CHATD_SERVR__PORT: there is no [servr] section"),
     ({"CHATD_SERVER__PORT": "http"}, "server.port"),
     ({ISA_ENV: "avx9"}, f"{ISA_ENV}='avx9': expected one of native, avx512, avx2"),

@@ -23,7 +23,7 @@ from chatd.engine.model.gguf_weights import how_type_runs
 from chatd.engine.model.packaged import PACKAGED_GGUF, packaged_model_dir
 from chatd.engine.model.quantise import q4_blocks_problem
 from chatd.engine.model.weights import LlamaShape
-from chatd.engine.pool.paged import row_width
+from chatd.engine.pool.paged import kv_bytes_per_token
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 _HF_LAYER = re.compile(r"^(?:model\.)?layers\.\d+\.(.+?)(?:\.weight)?$")
@@ -52,8 +52,7 @@ class SourceFacts:
     """GGUF only: None when ``weights = "q4"`` runs the file's blocks as they are, else why it quantises on load."""
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * row_width(dtype, self.head_dim) * element
+        return kv_bytes_per_token(dtype, self.num_layers, self.num_kv_heads, self.head_dim)
 
     def q4_runs_as(self) -> dict[str, str]:
         """GGUF only: each quantised matrix kind -> how ``weights = "q4"`` runs its blocks."""
@@ -120,7 +119,7 @@ def _gguf_facts(source: str, path: Path) -> SourceFacts:
         source=source, path=str(path), format="gguf", architecture=summary.architecture, name=summary.name,
         parameters=summary.parameters, context_length=summary.context_length, num_layers=summary.num_layers,
         num_kv_heads=summary.num_kv_heads, head_dim=summary.head_dim, tensor_types=summary.tensor_types,
-        compact_forward=why_not, q4_blocks=q4_blocks_problem(summary))
+        compact_forward=why_not, q4_blocks=q4_blocks_problem(summary.architecture, summary.tensor_types))
 
 
 def _folder_facts(source: str, folder: Path) -> SourceFacts:

@@ -7,8 +7,9 @@ Each tensor is read at the closest format it fits, and the load says how (:attr:
 - **repacked**: Q5_0 into Q8_0 (``q - 16`` fits int8, the scale unchanged: exact); Q4_K into Q4_1 (each
   sub-block of 32 is ``d * sc * q - dmin * m``, a Q4_1 block whose ``d * sc`` and ``dmin * m`` are rounded to
   fp16: a relative 2^-11 on the scales, nothing on the quants);
-- **requantised** (lossy, reported): Q5_1, Q5_K, Q6_K and any other type gguf dequantises, and F16 / BF16 / F32
-  matrices, into Q8_0 (ggml's rounding, 8 bits per weight with a scale per 32).
+- **requantised** (lossy, reported): Q5_1, Q5_K, Q6_K and any other block type gguf dequantises, into Q8_0
+  (ggml's rounding, 8 bits per weight with a scale per 32). A file of F16 / BF16 / F32 projections does not come
+  here: ``q4`` quantises it on load (:mod:`chatd.engine.model.quantise`).
 
 Projections whose types differ in one fused group (q|k|v, gate|up: Q4_K_M files keep ``attn_v`` in Q6_K) run as
 separate calls concatenated (:class:`ConcatLinear`); a forward with any such projection runs its layers through

@@ -4,6 +4,7 @@ into a safetensors folder that loads in seconds, whose card names the file so it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -12,13 +13,14 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from chatd.engine.model.gguf_file import describe_gguf, file_identity
+from chatd.engine.model.gguf_file import GGUFSummary, describe_gguf, file_identity
 from chatd.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -75,29 +77,32 @@ def convert_packaged_model(data_dir: Path) -> Path:
 
 def convert_gguf_file(gguf_path: Path, data_dir: Path) -> Path:
     """A GGUF file given as ``[model] source`` converted once (its tokenizer, config and dequantised weights)
-    into a folder under ``data_dir/models`` named by the file's identity (:func:`file_identity`)."""
+    into a folder under ``data_dir/models`` named by the file's identity (:func:`file_identity`), the model
+    named as the file's metadata names it."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf_path.stem).strip("-") or "model"
     try:
-        summary = describe_gguf(gguf_path)
+        return convert_gguf(gguf_path, data_dir, name, file_identity(gguf_path), str(gguf_path.resolve()),
+                            name_from_file=True)
     except ValueError as exc:
         raise ConfigError(f"model.source: {exc}") from exc
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", gguf_path.stem).strip("-") or "model"
-    return convert_gguf(gguf_path, data_dir, name, file_identity(gguf_path), str(gguf_path.resolve()),
-                        display_name=summary.name)
 
 
 def convert_gguf(gguf_path: Path, data_dir: Path, name: str, source_hash: str, source: str, *,
-                 display_name: str | None = None) -> Path:
+                 name_from_file: bool = False) -> Path:
     """Convert a GGUF once into a safetensors folder ``data_dir/models/<name>-<hash>``, with a model card
     (``chatd-model.json``) naming the file it came from, so the compact forward can run the file's own blocks.
 
     Loading a GGUF through transformers dequantizes it (tens of seconds for the packaged model); the converted
     folder loads in seconds. Safe against concurrent converters: each writes its own temporary folder and
-    renames it into place.
+    renames it into place. ``name_from_file``: the model is named by the file's ``general.name`` (else ``name``).
+    ValueError for a file that is not a GGUF.
     """
     target = data_dir / "models" / f"{name}-{source_hash[:16]}"
     if (target / MODEL_CARD_FILE).exists():
         return target
     log.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
+    summary = describe_gguf(gguf_path)
+    display_name = summary.name if name_from_file else None
     started = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
@@ -116,7 +121,7 @@ def convert_gguf(gguf_path: Path, data_dir: Path, name: str, source_hash: str, s
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     card = {"name": display_name or name, "weights_hash": source_hash, "source": source,
-            "gguf": str(gguf_path.resolve())}
+            "gguf": str(gguf_path.resolve()), **_gguf_card_facts(summary)}
     (tmp / MODEL_CARD_FILE).write_text(json.dumps(card, indent=2))
     try:
         tmp.rename(target)
@@ -128,19 +133,45 @@ def convert_gguf(gguf_path: Path, data_dir: Path, name: str, source_hash: str, s
     return target
 
 
-def source_gguf(card: dict[str, Any]) -> Path | None:
+@dataclass(frozen=True)
+class SourceGGUF:
+    """The GGUF a converted folder came from, with what its model card keeps of it (reading the file's headers
+    again costs seconds at every start)."""
+
+    path: Path
+    architecture: str
+    tensor_types: dict[str, str]
+    """Tensor kind -> type names joined by ``+`` (:attr:`GGUFSummary.tensor_types`)."""
+
+
+def _gguf_card_facts(summary: GGUFSummary) -> dict[str, Any]:
+    return {"gguf_architecture": summary.architecture, "gguf_tensor_types": dict(summary.tensor_types)}
+
+
+def source_gguf(folder: Path, card: dict[str, Any]) -> SourceGGUF | None:
     """The GGUF file a converted folder's model card says it came from, while that file is still there and
-    unchanged (its blocks can then run as they are); None otherwise."""
+    unchanged (its blocks can then run as they are); None otherwise. A card written before it kept the file's
+    architecture and tensor types gets them now."""
+    path: Path | None = None
     if converted_from_packaged_gguf(card):
-        return packaged_model_dir() / PACKAGED_GGUF
-    named = card.get("gguf")
-    if not named or str(card.get("source", "")).startswith(PACKAGED_GGUF):
+        path = packaged_model_dir() / PACKAGED_GGUF
+    elif card.get("gguf") and not str(card.get("source", "")).startswith(PACKAGED_GGUF):
+        named = Path(str(card["gguf"]))
+        try:
+            path = named if named.is_file() and file_identity(named) == card.get("weights_hash") else None
+        except OSError:
+            path = None
+    if path is None:
         return None
-    path = Path(str(named))
-    try:
-        return path if path.is_file() and file_identity(path) == card.get("weights_hash") else None
-    except OSError:
-        return None
+    architecture, types = card.get("gguf_architecture"), card.get("gguf_tensor_types")
+    if not isinstance(architecture, str) or not isinstance(types, dict):
+        facts = _gguf_card_facts(describe_gguf(path))
+        architecture, types = facts["gguf_architecture"], facts["gguf_tensor_types"]
+        tmp = folder / f".{MODEL_CARD_FILE}.{os.getpid()}.tmp"
+        with contextlib.suppress(OSError):  # a read-only folder keeps its card: the next start reads the file again
+            tmp.write_text(json.dumps({**card, **facts}, indent=2))
+            tmp.replace(folder / MODEL_CARD_FILE)
+    return SourceGGUF(path, architecture, {str(k): str(v) for k, v in types.items()})
 
 
 def converted_from_packaged_gguf(card: dict[str, Any]) -> bool:

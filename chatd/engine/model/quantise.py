@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chatd.engine.model.gguf_file import GGUFSummary, describe_gguf, write_llama_gguf
+from chatd.engine.model.gguf_file import write_llama_gguf
+from chatd.engine.model.packaged import SourceGGUF
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +24,14 @@ _PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up
 QUANTISED_VERSION = 1  # bump when the cached file's layout or quantiser changes
 
 
-def q4_blocks_problem(summary: GGUFSummary) -> str | None:
+def q4_blocks_problem(architecture: str, tensor_types: dict[str, str]) -> str | None:
     """Why a GGUF's own blocks cannot run as ``q4`` (None when they can): a llama file whose projections are
-    quantised (any ggml block type; gguf_weights.read_blocks says per type how it runs)."""
-    if summary.architecture != "llama":
-        return f"architecture {summary.architecture!r}"
+    quantised (any ggml block type; gguf_weights.read_blocks says per type how it runs). ``tensor_types``: tensor
+    kind -> type names joined by ``+`` (:attr:`chatd.engine.model.gguf_file.GGUFSummary.tensor_types`)."""
+    if architecture != "llama":
+        return f"architecture {architecture!r}"
     for kind in _PROJECTIONS:
-        types = set(summary.tensor_types.get(kind, "missing").split("+"))
+        types = set(tensor_types.get(kind, "missing").split("+"))
         if types & UNQUANTISED_TYPES or "missing" in types:
             return f"{kind} is {'+'.join(sorted(types))}"
     return None
@@ -44,12 +46,12 @@ def describe_runs_as(file_name: str, runs_as: dict[str, str]) -> str:
     return f"the blocks of {file_name}{lossy}; " + ", ".join(f"{kind} {how}" for kind, how in changed.items())
 
 
-def runnable_q4_file(gguf_path: Path | None) -> tuple[Path | None, str]:
-    """``(path, why)``: the source GGUF when its blocks run as ``q4`` as they are, else ``(None, reason)``."""
-    if gguf_path is None:
+def runnable_q4_file(source: SourceGGUF | None) -> tuple[Path | None, str]:
+    """``(path, why)``: the source GGUF when its blocks run as ``q4``, else ``(None, reason)``."""
+    if source is None:
         return None, "the source is not a GGUF file"
-    problem = q4_blocks_problem(describe_gguf(gguf_path))
-    return (gguf_path, "") if problem is None else (None, problem)
+    problem = q4_blocks_problem(source.architecture, source.tensor_types)
+    return (source.path, "") if problem is None else (None, problem)
 
 
 def quantised_q4_file(model: Any, data_dir: Path, weights_hash: str) -> Path:

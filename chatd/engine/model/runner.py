@@ -46,6 +46,7 @@ from chatd.engine.model.graphs import DecodeGraphs
 from chatd.engine.model.hf_forward import ATTN_IMPLEMENTATION, TransformersForward, register_row_attention
 from chatd.engine.model.packaged import (
     MODEL_CARD_FILE,
+    SourceGGUF,
     convert_gguf_file,
     convert_packaged_model,
     folder_weights_hash,
@@ -54,7 +55,7 @@ from chatd.engine.model.packaged import (
 from chatd.engine.model.quantise import describe_runs_as, quantised_q4_file, runnable_q4_file
 from chatd.engine.pool.hugepages import advise_huge_pages, populate_in_background
 from chatd.engine.pool.kvcache import BLOCK_SIZE, KVPool, SessionKV, appending
-from chatd.engine.pool.paged import row_width
+from chatd.engine.pool.paged import kv_bytes_per_token
 from chatd.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,7 @@ class ModelInfo:
     @property
     def bytes_per_token(self) -> int:
         """KV bytes of one position over all layers (K and V)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * row_width(self.dtype, self.head_dim) * element
+        return kv_bytes_per_token(self.dtype, self.num_layers, self.num_kv_heads, self.head_dim)
 
 
 class ModelRunner:
@@ -161,13 +161,13 @@ class ModelRunner:
         model.eval()
         if not tokenizer.chat_template:
             raise ConfigError(f"model {settings.source!r} has no chat template")
-        gguf_file: Path | None = None
+        gguf_file: SourceGGUF | None = None
         if isinstance(folder, Path):
             card_path = folder / MODEL_CARD_FILE
             card = json.loads(card_path.read_text()) if card_path.exists() else {}
             name = card.get("name") or folder.name
             weights_hash = card.get("weights_hash") or folder_weights_hash(folder)
-            gguf_file = source_gguf(card)
+            gguf_file = source_gguf(folder, card)
         else:
             name = folder
             weights_hash = hashlib.sha256(model.config.to_json_string().encode()).hexdigest()

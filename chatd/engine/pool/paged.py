@@ -49,6 +49,12 @@ def row_width(dtype: torch.dtype, head_dim: int) -> int:
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
+def kv_bytes_per_token(dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """KV bytes of one position over all layers (K and V) in the pool at ``dtype``."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * row_width(dtype, head_dim) * element
+
+
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[..., head_dim]`` (fp32) as int8 rows ``[..., head_dim + 4]``: ``q = round(x / scale)`` (to nearest
     even) with ``scale = max|x| / 127`` per row (0 and all-zero values for a row of zeros), the scale's fp32
