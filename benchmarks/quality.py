@@ -34,7 +34,7 @@ def per_type(types: list[str]) -> None:
     from transformers import AutoModelForCausalLM
 
     from chatd.config import ModelSettings
-    from chatd.engine.model.gguf_file import write_llama_gguf
+    from chatd.engine.model.gguf_file import write_gguf
     from chatd.engine.model.packaged import PACKAGED_GGUF
     from chatd.engine.model.packaged import packaged_model_dir as packaged_gguf_dir
     from devtools.kquants import ENCODERS
@@ -54,7 +54,7 @@ def per_type(types: list[str]) -> None:
                           "super-block | | | |")
                     continue
                 path = Path(scratch) / f"{folder.name}-{type_name}.gguf"
-                write_llama_gguf(model, path, matrix_type, tokenizer_from=packaged_gguf_dir() / PACKAGED_GGUF,
+                write_gguf(model, path, matrix_type, tokenizer_from=packaged_gguf_dir() / PACKAGED_GGUF,
                                  encoders=ENCODERS, kind_types=kinds)
                 runner = ModelRunner.load(ModelSettings(source=str(path), weights="q4"), Path(scratch))
                 a = teacher_forced_agreement(runner, runner.model)

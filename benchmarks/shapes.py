@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from chatd.engine.model.gguf_file import write_llama_gguf
+from chatd.engine.model.gguf_file import write_gguf
 from chatd.engine.model.packaged import PACKAGED_GGUF, packaged_model_dir
 from devtools.kquants import ENCODERS
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.type in MIXES and any(SHAPES[args.shape][k] % 256 for k in ("hidden_size", "intermediate_size")):
         parser.error(f"{args.shape}'s rows do not hold whole K-quant super-blocks of 256: no {args.type}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_llama_gguf(model, args.out, matrix_type, tokenizer_from=packaged_model_dir() / PACKAGED_GGUF,
+    write_gguf(model, args.out, matrix_type, tokenizer_from=packaged_model_dir() / PACKAGED_GGUF,
                      name=f"{args.shape}-{args.type}-random", encoders=ENCODERS, kind_types=kinds)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.0f} s",
           file=sys.stderr)

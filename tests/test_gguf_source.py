@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from chatd.config import ModelSettings
-from chatd.engine.model.gguf_file import describe_gguf, write_llama_gguf
+from chatd.engine.model.gguf_file import describe_gguf, write_gguf
 from chatd.engine.model.gguf_weights import read_blocks
 from chatd.engine.model.packaged import PACKAGED_GGUF, packaged_model_dir
 from chatd.engine.model.quant import Q4_1Weight, Q8_0Weight, read_tensor
@@ -61,7 +61,7 @@ def shared_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def written(model: torch.nn.Module, folder: Path, matrix_type: str) -> Path:
     path = folder / f"tiny-{matrix_type}.gguf"
     if not path.exists():
-        write_llama_gguf(model, path, matrix_type, tokenizer_from=packaged_model_dir() / PACKAGED_GGUF,
+        write_gguf(model, path, matrix_type, tokenizer_from=packaged_model_dir() / PACKAGED_GGUF,
                          name="tiny")
     return path
 
@@ -203,7 +203,7 @@ def test_chatd_models_reports_what_a_source_holds(tiny_model: torch.nn.Module, g
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)).save_pretrained(gpt2)
     other = json.loads(chatd_models("--model", str(gpt2), "--json").stdout)
     assert other["architecture"] == "gpt2" and other["compact_forward"] is False
-    assert "not a supported Llama-family decoder" in other["compact_forward_why_not"]
+    assert "not a supported decoder" in other["compact_forward_why_not"]
     text = chatd_models("--model", str(path)).stdout
     assert "compact forward  yes" in text and "runs the file's blocks" in text
     f16 = chatd_models("--model", str(written(tiny_model, gguf_dir, "F16"))).stdout
@@ -257,7 +257,7 @@ def written_mix(model: torch.nn.Module, folder: Path, mix: str) -> Path:
     path = folder / f"wide-{mix}.gguf"
     if not path.exists():
         matrix_type, kinds = MIXES[mix]
-        write_llama_gguf(model, path, matrix_type, tokenizer_from=packaged_model_dir() / PACKAGED_GGUF,
+        write_gguf(model, path, matrix_type, tokenizer_from=packaged_model_dir() / PACKAGED_GGUF,
                          name=f"wide-{mix}", encoders=ENCODERS, kind_types=kinds)
     return path
 

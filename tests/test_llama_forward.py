@@ -121,7 +121,7 @@ def test_weights_resolution() -> None:
     assert resolve_weights("q4", cpu, llama, has_gguf=True) == "q4"
     assert resolve_weights("q4", cpu, llama) == "q4"  # quantised on load
     assert resolve_weights("int8", cpu, llama) == "int8"
-    scaled = SimpleNamespace(**{**vars(llama), "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}})
+    scaled = SimpleNamespace(**{**vars(llama), "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}})
     other = SimpleNamespace(**{**vars(llama), "model_type": "gpt2"})
     for unsupported in (scaled, other):
         assert resolve_weights("auto", cpu, unsupported) == "transformers"

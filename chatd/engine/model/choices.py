@@ -125,7 +125,7 @@ FP32_TWIN_MIN_ROWS = 32
 
 
 def gguf_forward(device: torch.device, path: Path, dequantised: Any | None = None,
-                 kernels: EngineKernels | None = None) -> LlamaForward:
+                 kernels: EngineKernels | None = None, config: Any | None = None) -> LlamaForward:
     """The compact forward over a llama GGUF's Q4_0 / Q4_1 / Q8_0 blocks at ``path`` (CPU int4 kernel).
 
     ``kernels`` with a tile matmul (:attr:`EngineKernels.tile_matmul_kind`: AMX tiles, AVX512-VNNI
@@ -133,7 +133,8 @@ def gguf_forward(device: torch.device, path: Path, dequantised: Any | None = Non
     memory traffic and growing slowly in the rows; there is no twin (``python -m benchmarks.quant_matmul``).
     Without one, ``dequantised`` (the converted fp32 model, the same weights dequantised exactly) gives
     batches of several rows (prefill chunks, decode steps of many sessions) a dense twin: bf16 on a CPU with
-    bf16 matmul units, else fp32 for prefill-sized batches; single-session decode steps run the blocks."""
+    bf16 matmul units, else fp32 for prefill-sized batches; single-session decode steps run the blocks.
+    ``config``: the model's transformers config, for what the file's header leaves out (RoPE scaling)."""
     if device.type != "cpu":
         raise ConfigError('model.weights = "q4" runs on the CPU; use bfloat16 on CUDA')
     tiles = kernels is not None and kernels.tile_matmul_kind is not None
@@ -141,8 +142,9 @@ def gguf_forward(device: torch.device, path: Path, dequantised: Any | None = Non
     if gguf.lossy():  # the twin holds the file's values, the blocks requantised ones: they would disagree
         dequantised = None
     if dequantised is None or tiles:
-        return LlamaForward(weights_from_gguf(gguf), device)
+        return LlamaForward(weights_from_gguf(gguf, config=config), device)
     if bf16_matmul_is_fast():
         twin = weights_from_transformers(dequantised, bf16_linear)
-        return LlamaForward(weights_from_gguf(gguf, twin, BF16_TWIN_MIN_ROWS), device)
-    return LlamaForward(weights_from_gguf(gguf, weights_from_transformers(dequantised), FP32_TWIN_MIN_ROWS), device)
+        return LlamaForward(weights_from_gguf(gguf, twin, BF16_TWIN_MIN_ROWS, config), device)
+    return LlamaForward(weights_from_gguf(gguf, weights_from_transformers(dequantised), FP32_TWIN_MIN_ROWS, config),
+                        device)

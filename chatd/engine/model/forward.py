@@ -1,5 +1,6 @@
-"""A compact forward for Llama-family decoders (Llama and SmolLM; the code also takes Qwen2-style q/k/v
-biases, but only model types verified against transformers are enabled: SUPPORTED_MODEL_TYPES).
+"""A compact forward for Llama-family decoders: Llama and SmolLM, and the families that differ from Llama in a few
+places (:class:`LlamaShape` names them): Mistral, Qwen2 and Qwen3, Phi-3, Gemma 2 and 3. Only model types verified
+against transformers are enabled (SUPPORTED_MODEL_TYPES).
 
 transformers' modeling code is the loader and the reference; this module runs the same arithmetic
 with less in between: the Q/K/V projections fused into one matmul and gate/up into another, RoPE from
@@ -16,6 +17,7 @@ the projections). Both append the new positions' K/V to the caches and return lo
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import weakref
 from collections.abc import Sequence
@@ -58,6 +60,7 @@ class _Layout:
     masks: dict[int, torch.Tensor | None]
     views: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]]
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    window_masks: dict[tuple[int, int], torch.Tensor]  # (run, window) -> its mask in layers of that sliding window
 
 
 class LlamaForward:
@@ -67,14 +70,20 @@ class LlamaForward:
         self.weights = weights
         self.shape = s = weights.shape
         self.device = device
-        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
         positions = torch.arange(s.max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
-        table = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.cos = table.cos().to(device)
-        self.sin = table.sin().to(device)
-        self.scale = s.head_dim ** -0.5
+        # One cos and one sin table [max_positions, head_dim] per distinct RoPE (Gemma 3's local and global layers
+        # differ); self.cos and self.sin are the first, every layer's but in such a model.
+        self.rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for rope in s.all_ropes():
+            freqs = torch.outer(positions, torch.tensor(rope.inv_freq, dtype=torch.float32))  # [positions, dim / 2]
+            table = torch.cat([freqs, freqs], dim=-1)
+            self.rope_tables.append(((table.cos() * rope.scaling).to(device), (table.sin() * rope.scaling).to(device)))
+        self.cos, self.sin = self.rope_tables[0]
+        self.scale = s.attention_scale or s.head_dim ** -0.5
         self.group = s.num_heads // s.num_kv_heads
+        # The fused path's layer (add + norm, projection, SiLU-times-up natively) is Llama's; Gemma's norms
+        # around attention and MLP and its GELU take the kernels path.
+        self.fused_layers = not s.sandwich_norms and s.activation == "silu"
         linears = [self.weights.lm_head, *(p for layer in self.weights.layers
                                             for p in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         # Every projection runs bf16 to bf16 (q4 and dense bf16 weights): the native path between them.
@@ -120,21 +129,43 @@ class LlamaForward:
         w = self.weights
         for owner in (w.embed, w.norm, w.lm_head, *(getattr(layer, name) for layer in w.layers
                                                    for name in ("attn_norm", "qkv", "o", "ffn_norm", "gate_up",
-                                                                "down"))):
-            add(owner)
+                                                                "down", "q_norm", "k_norm", "post_attn_norm",
+                                                                "post_ffn_norm"))):
+            if owner is not None:
+                add(owner)
         return list(found.values())
 
     # ------------------------------------------------------------------ pieces
 
-    def _rope_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [M] int64 -> cos, sin [M, 1, head_dim], looked up once per forward for every layer
-        return self.cos[positions][:, None], self.sin[positions][:, None]
+    def _rope_table(self, positions: torch.Tensor, table: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [M] int64 -> cos, sin [M, 1, head_dim] of RoPE table ``table``, looked up once per forward
+        cos, sin = self.rope_tables[table]
+        return cos[positions][:, None], sin[positions][:, None]
+
+    def _rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self._rope_table(positions, table) for table in range(len(self.rope_tables))]
+
+    def _layer_tables(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s cos and sin tables, for the native RoPE."""
+        return self.rope_tables[self.shape.rope_of(index)]
+
+    def _norm_qk(self, layer: LlamaLayer, qkv: torch.Tensor) -> None:
+        """Each q and k head of ``qkv`` ``[M, width]`` RMS-normed in place (LlamaShape.qk_norm), before RoPE."""
+        if layer.q_norm is None or layer.k_norm is None:
+            return
+        s = self.shape
+        heads = s.num_heads * s.head_dim
+        q = qkv[:, :heads].view(-1, s.num_heads, s.head_dim)
+        k = qkv[:, heads:heads + s.num_kv_heads * s.head_dim].view(-1, s.num_kv_heads, s.head_dim)
+        q.copy_(_rms_norm(q, layer.q_norm, s.rms_norm_eps))
+        k.copy_(_rms_norm(k, layer.k_norm, s.rms_norm_eps))
 
     def _qkv(self, layer: LlamaLayer, h: torch.Tensor,
              rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # h: [M, hidden] -> q [M, heads, head_dim], k and v [M, kv_heads, head_dim], RoPE applied to q and k
         s = self.shape
-        qkv = layer.qkv(_rms_norm(h, layer.attn_norm, s.rms_norm_eps))
+        qkv = layer.qkv(_rms_norm(h, layer.attn_norm, s.rms_norm_eps)).contiguous()
+        self._norm_qk(layer, qkv)
         num_qk = (s.num_heads + s.num_kv_heads) * s.head_dim
         qk = qkv[:, :num_qk].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)  # q and k heads rotate alike
         cos, sin = rope
@@ -145,18 +176,29 @@ class LlamaForward:
         return q, k, qkv[:, num_qk:].view(-1, s.num_kv_heads, s.head_dim)
 
     def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(_rms_norm(h, layer.ffn_norm, self.shape.rms_norm_eps)).chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
+        s = self.shape
+        gate, up = layer.gate_up(_rms_norm(h, layer.ffn_norm, s.rms_norm_eps)).chunk(2, dim=-1)
+        out = layer.down((F.silu(gate) if s.activation == "silu" else F.gelu(gate, approximate="tanh")) * up)
+        return out if layer.post_ffn_norm is None else _rms_norm(out, layer.post_ffn_norm, s.rms_norm_eps)
+
+    def _attended(self, layer: LlamaLayer, out: torch.Tensor) -> torch.Tensor:
+        """The o projection of the attention's ``out``, normed where the model norms it (Gemma)."""
+        o = layer.o(out)
+        return o if layer.post_attn_norm is None else _rms_norm(o, layer.post_attn_norm, self.shape.rms_norm_eps)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         # h: [M, hidden] (the positions whose logits are wanted) -> [M, vocab] fp32
-        return self.weights.lm_head(_rms_norm(h, self.weights.norm, self.shape.rms_norm_eps)).float()
+        return self._capped(self.weights.lm_head(_rms_norm(h, self.weights.norm, self.shape.rms_norm_eps)).float())
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.shape.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _step_plan(self, pool: KVPool) -> StepPlan | None:
         """The plan for running this step as one native call, or None where it cannot: no kernels or no tile
         kernel, or weights packed for another kind."""
         kernels = self.kernels
-        if kernels is None or not self._tiled or not self.use_native_step:
+        if kernels is None or not self._tiled or not self.use_native_step or not self.shape.plain:
             return None
         head = cast(TileQ8Linear, self.weights.lm_head)
         kind = kernels.tile_matmul_kind
@@ -200,6 +242,8 @@ class LlamaForward:
             layout = self._layout(caches, runs, step)
             ids = torch.tensor([t for run in runs for t in run], dtype=torch.long, device=self.device)
             h = self.weights.embed(ids)  # [rows, hidden] fp32
+            if self.shape.embed_scale != 1.0:
+                h = h * self.shape.embed_scale
             if self.kernels is None:
                 return self._step_torch(h, layout, pool, step.slots)
             # The kernel reads the RoPE tables unchecked (torch's lookup would raise): check the range once.
@@ -209,7 +253,7 @@ class LlamaForward:
             plan = self._step_plan(pool) if not layout.others else None
             if plan is not None:
                 return self._step_native(plan, h, layout, slots)
-            if self.bf16_projections:
+            if self.bf16_projections and self.fused_layers:
                 return self._step_fused(h, layout, pool, slots)
             return self._step_kernels(h, layout, pool, slots)
 
@@ -224,7 +268,7 @@ class LlamaForward:
         # block tables, each row over its own causal prefix; chunks longer than native_attention_max_run (and every
         # run without the kernel) attend through torch's SDPA, which reuses K/V across query rows.
         natives = ([run for run, n in enumerate(lengths) if n <= self.native_attention_max_run]
-                   if self.kernels is not None else [])
+                   if self.kernels is not None and self.shape.native_attention else [])
         others = sorted(set(range(len(runs))) - set(natives))
         # Causal over the cached prefix and the run itself: new token j sees positions <= start + j. A single new
         # token sees everything, so needs no mask.
@@ -236,7 +280,21 @@ class LlamaForward:
         if self.kernels is not None:
             positions = positions.to(device=self.device, dtype=torch.int64).contiguous()
         return _Layout(lengths=lengths, starts=starts, bounds=bounds, positions=positions, natives=natives,
-                       others=others, masks=masks, views=views, tables=tables)
+                       others=others, masks=masks, views=views, tables=tables, window_masks={})
+
+    def _mask(self, layout: _Layout, run: int, window: int | None) -> torch.Tensor | None:
+        """Run ``run``'s mask in a layer of sliding ``window`` (None: full attention), folded like its queries:
+        query j (position start + j) sees the positions p <= start + j with start + j - p < window."""
+        start, n = layout.starts[run], layout.lengths[run]
+        if window is None or start + n <= window:
+            return layout.masks[run]
+        mask = layout.window_masks.get((run, window))
+        if mask is None:
+            queries = torch.arange(start, start + n, device=self.device)[:, None]
+            keys = torch.arange(start + n, device=self.device)[None, :]
+            mask = ((keys <= queries) & (queries - keys < window)).repeat(self.group, 1)
+            layout.window_masks[(run, window)] = mask
+        return mask
 
     def _step_native(self, plan: StepPlan, h: torch.Tensor, layout: _Layout, slots: torch.Tensor) -> torch.Tensor:
         """The whole step in one native call (:meth:`EngineKernels.forward_step`): the fused layer loop, in C."""
@@ -259,7 +317,9 @@ class LlamaForward:
             layer_kv = pool.tensors.kv[index]  # [2, kv_heads, num_blocks, block_size, head_dim]
             x = kernels.add_rms_norm(h, pending, layer.attn_norm, s.rms_norm_eps)
             qkv = cast(Bf16Linear, layer.qkv).bf16(x).float()
-            kernels.rope_write(qkv, s.num_heads, layout.positions, self.cos, self.sin, layer_kv[0], layer_kv[1], slots)
+            self._norm_qk(layer, qkv)
+            cos, sin = self._layer_tables(index)
+            kernels.rope_write(qkv, s.num_heads, layout.positions, cos, sin, layer_kv[0], layer_kv[1], slots)
             q = qkv[:, :s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)
             out = self._attention(layout, index, q, layer_kv)
             attended = cast(Bf16Linear, layer.o).bf16(out.to(torch.bfloat16).contiguous())
@@ -268,7 +328,7 @@ class LlamaForward:
             pending = cast(Bf16Linear, layer.down).bf16(kernels.silu_mul(gate_up))
         last = torch.tensor(layout.bounds[1:], device=self.device) - 1
         x = kernels.add_rms_norm(h, pending, self.weights.norm, s.rms_norm_eps)
-        return cast(Bf16Linear, self.weights.lm_head).bf16(x[last].contiguous()).float()
+        return self._capped(cast(Bf16Linear, self.weights.lm_head).bf16(x[last].contiguous()).float())
 
     def _step_kernels(self, h: torch.Tensor, layout: _Layout, pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
         """fp32 projections in torch; RoPE with the K/V write, and the attention, native."""
@@ -278,29 +338,32 @@ class LlamaForward:
         for index, layer in enumerate(self.weights.layers):
             layer_kv = pool.tensors.kv[index]  # [2, kv_heads, num_blocks, block_size, head_dim]
             qkv = layer.qkv(_rms_norm(h, layer.attn_norm, s.rms_norm_eps)).contiguous()
-            kernels.rope_write(qkv, s.num_heads, layout.positions, self.cos, self.sin, layer_kv[0], layer_kv[1], slots)
+            self._norm_qk(layer, qkv)
+            cos, sin = self._layer_tables(index)
+            kernels.rope_write(qkv, s.num_heads, layout.positions, cos, sin, layer_kv[0], layer_kv[1], slots)
             q = qkv[:, :s.num_heads * s.head_dim].view(-1, s.num_heads, s.head_dim)
             out = self._attention(layout, index, q, layer_kv)
-            h = h + layer.o(out)
+            h = h + self._attended(layer, out)
             h = h + self._mlp(layer, h)
         return self._logits(h[torch.tensor(layout.bounds[1:], device=self.device) - 1])
 
     def _step_torch(self, h: torch.Tensor, layout: _Layout, pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
         """torch's ops alone: RoPE from the table, K/V written by index, every run attending through SDPA."""
-        rope = self._rope_table(layout.positions.to(self.device))
+        ropes = self._rope_tables(layout.positions.to(self.device))
         for index, layer in enumerate(self.weights.layers):
-            q, k, v = self._qkv(layer, h, rope)
+            q, k, v = self._qkv(layer, h, ropes[self.shape.rope_of(index)])
             pool.write(index, slots, k, v)
             out = self._attention(layout, index, q, pool.tensors.kv[index])
-            h = h + layer.o(out)
+            h = h + self._attended(layer, out)
             h = h + self._mlp(layer, h)
         return self._logits(h[torch.tensor(layout.bounds[1:], device=self.device) - 1])
 
     def _attention(self, layout: _Layout, index: int, q: torch.Tensor, layer_kv: torch.Tensor) -> torch.Tensor:
         """Layer ``index``'s attention of every row (K/V already written), ``[rows, heads * head_dim]`` fp32: the
         native runs in one kernel call, the others through SDPA one run at a time."""
+        window = self.shape.windows[index] if self.shape.windows else None
         if len(layout.others) == len(layout.lengths) == 1:
-            return self._attend(_layer_runs(layout.views[0], index), q, layout.masks[0])
+            return self._attend(_layer_runs(layout.views[0], index), q, self._mask(layout, 0, window))
         bounds = layout.bounds
         out = torch.empty(bounds[-1], self.shape.num_heads * self.shape.head_dim, device=self.device)
         if layout.tables is not None:
@@ -309,7 +372,7 @@ class LlamaForward:
             self.kernels.decode_attention(q, out, rows, layer_kv[0], layer_kv[1], tables, visible, self.scale)
         for run in layout.others:
             out[bounds[run]:bounds[run + 1]] = self._attend(
-                _layer_runs(layout.views[run], index), q[bounds[run]:bounds[run + 1]], layout.masks[run])
+                _layer_runs(layout.views[run], index), q[bounds[run]:bounds[run + 1]], self._mask(layout, run, window))
         return out
 
     def _attend(self, kv_runs: Sequence[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
@@ -327,7 +390,9 @@ class LlamaForward:
         folded = folded.reshape(1, s.num_kv_heads, self.group * n, s.head_dim)
         if self.bf16_attention and kv_runs[0][0].dtype == torch.bfloat16:
             folded = folded.to(torch.bfloat16)
-        out = attend(folded, kv_runs, mask, self.scale).float()
+        cap = s.attention_softcap
+        out = (attend(folded, kv_runs, mask, self.scale) if cap is None
+               else _attend_capped(folded, kv_runs, mask, self.scale, cap)).float()
         if n == 1:
             return out.reshape(1, -1)
         return out.view(s.num_kv_heads, self.group, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
@@ -339,6 +404,18 @@ class LlamaForward:
     def decode(self, caches: Sequence[SessionKV], token_ids: Sequence[int]) -> torch.Tensor:
         """Feed one token to each cache in one pass; return logits ``[batch, vocab]`` fp32."""
         return self.step(caches, [[token] for token in token_ids])
+
+
+def _attend_capped(query: torch.Tensor, runs: Sequence[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
+                   scale: float, cap: float) -> torch.Tensor:
+    """:func:`attend` with soft-capped scores, ``cap * tanh(score / cap)`` (Gemma 2): SDPA has no such step, so the
+    scores are made whole, K/V concatenated from their runs."""
+    keys = torch.cat([k for k, _ in runs], dim=2).to(query.dtype)  # [1, kv_heads, length, head_dim]
+    values = torch.cat([v for _, v in runs], dim=2).to(query.dtype)
+    scores = torch.tanh(torch.matmul(query, keys.transpose(-1, -2)) * scale / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype), values)
 
 
 def _layer_runs(views: list[tuple[list[torch.Tensor], list[torch.Tensor]]], layer: int

@@ -1,11 +1,11 @@
-"""A GGUF file as a model: what it holds, how it is identified, and a writer for Llama-shaped weights.
+"""A GGUF file as a model: what it holds, how it is identified, and a writer for the compact forward's architectures.
 
 Reading and writing go through the maintained ``gguf`` package. A GGUF stores each matrix as ggml blocks of one
 quantisation type; :func:`describe_gguf` names the type per tensor kind (``attn_q``, ``ffn_down``,
-``token_embd``...) without reading the weights. :func:`write_llama_gguf` writes a transformers Llama model in
-llama.cpp's layout (Q and K rows interleaved per head for RoPE) with the matrices in one type: chatd caches the
-weights it quantises on load this way (:mod:`chatd.engine.model.quantise`), and the tests write their tiny
-checkpoints with it.
+``token_embd``...) without reading the weights. :func:`write_gguf` writes a transformers model (Llama, Mistral,
+Qwen2, Qwen3, Phi-3, Gemma 2 and 3) in llama.cpp's layout for its architecture with the matrices in one type:
+chatd caches the weights it quantises on load this way (:mod:`chatd.engine.model.quantise`), and the tests write
+their tiny checkpoints with it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import gguf
 import numpy as np
 import torch
 
-# The matrix types write_llama_gguf can produce (the ``gguf`` package quantises these in numpy).
+from chatd.engine.model.rope import rope_freq_factors
+
+# The matrix types write_gguf can produce (the ``gguf`` package quantises these in numpy).
 WRITABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 _BLOCK_KIND = re.compile(r"^blk\.\d+\.(.+)\.(weight|bias)$")
 
@@ -142,28 +144,41 @@ def _encode(values: torch.Tensor, type_name: str) -> tuple[np.ndarray, gguf.GGML
 Encoder = Callable[[np.ndarray], np.ndarray]
 
 
-def write_llama_gguf(model: Any, path: Path, matrix_type: str, *, embedding_type: str | None = None,
-                     tokenizer_from: Path | None = None, name: str | None = None,
-                     encoders: dict[str, Encoder] | None = None, kind_types: dict[str, str] | None = None) -> None:
-    """Write a transformers Llama model (``LlamaForCausalLM``) as a llama GGUF with every projection in
-    ``matrix_type`` (one of WRITABLE_TYPES), the token embedding (and a separate LM head) in ``embedding_type``
-    (default: Q8_0 for quantised matrices, else ``matrix_type``) and the norms in F32. ``tokenizer_from``:
-    a GGUF whose ``tokenizer.*`` metadata (vocabulary, merges, special tokens, chat template) is copied.
-    ``encoders``: more types, each an fp32 ``[N, K]`` -> block bytes ``[N, ...]`` function (the tests' K-quants).
-    ``kind_types``: the type of some tensor kinds (``attn_v``, ``output``...) where it differs, as in the mixed
-    files llama.cpp's quantiser makes (Q4_K_M keeps ``attn_v`` and ``ffn_down`` in Q6_K). Written to a temporary
-    name and renamed into place."""
+# transformers model type -> the GGUF architecture write_gguf writes it as (llama.cpp's names).
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                      "gemma2": "gemma2", "gemma3_text": "gemma3"}
+
+
+def write_gguf(model: Any, path: Path, matrix_type: str, *, embedding_type: str | None = None,
+               tokenizer_from: Path | None = None, name: str | None = None,
+               encoders: dict[str, Encoder] | None = None, kind_types: dict[str, str] | None = None) -> None:
+    """Write a transformers causal LM of a type in GGUF_ARCHITECTURES as llama.cpp lays that architecture out
+    (tensor names from the ``gguf`` package's map; Llama's Q and K rows interleaved per head for RoPE; Gemma's
+    norms stored as ``1 + weight``; Llama 3's RoPE scaling as a ``rope_freqs`` tensor, other scalings as metadata),
+    with every projection in ``matrix_type`` (one of WRITABLE_TYPES), the token embedding (and a separate LM head)
+    in ``embedding_type`` (default: Q8_0 for quantised matrices, else ``matrix_type``) and the vectors (norms,
+    biases) in F32. ``tokenizer_from``: a GGUF whose ``tokenizer.*`` metadata (vocabulary, merges, special tokens,
+    chat template) is copied. ``encoders``: more types, each an fp32 ``[N, K]`` -> block bytes ``[N, ...]``
+    function (the tests' K-quants). ``kind_types``: the type of some tensor kinds (``attn_v``, ``output``...) where
+    it differs, as in the mixed files llama.cpp's quantiser makes (Q4_K_M keeps ``attn_v`` and ``ffn_down`` in
+    Q6_K). Written to a temporary name and renamed into place. ValueError for another model type."""
     encoders = encoders or {}
     if matrix_type not in WRITABLE_TYPES and matrix_type not in encoders:
         raise ValueError(f"cannot write {matrix_type!r} matrices; one of {', '.join(WRITABLE_TYPES)}")
     embedding_type = embedding_type or (matrix_type if matrix_type in ("F32", "F16", "BF16") else "Q8_0")
     config = model.config
+    arch = GGUF_ARCHITECTURES.get(config.model_type)
+    if arch is None:
+        raise ValueError(f"cannot write a {config.model_type!r} model as a GGUF")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rope = getattr(config, "rope_parameters", None) or {}
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params.get("full_attention"), dict):  # Gemma 3: the global layers' RoPE (the local one is fixed)
+        params = params["full_attention"]
+    gemma = arch.startswith("gemma")
     tmp = path.with_name(f".{path.name}.tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer = gguf.GGUFWriter(str(tmp), arch)
     writer.add_name(name or str(getattr(config, "name_or_path", "") or path.stem))
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(int(config.max_position_embeddings))
@@ -174,9 +189,22 @@ def write_llama_gguf(model: Any, path: Path, matrix_type: str, *, embedding_type
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_rope_freq_base(float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "sliding_window", None) and arch != "llama":
+        writer.add_sliding_window(int(config.sliding_window))
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+    rope_type = params.get("rope_type", "default")
+    if arch != "llama" and rope_type in ("linear", "yarn"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope_type))
+        writer.add_rope_scaling_factor(float(params["factor"]))
+        if params.get("original_max_position_embeddings"):
+            writer.add_rope_scaling_orig_ctx_len(int(params["original_max_position_embeddings"]))
+    elif arch != "llama" and rope_type != "default":
+        raise ValueError(f"cannot write RoPE type {rope_type!r} for a {arch} GGUF")
     if tokenizer_from is not None:
         _copy_tokenizer(gguf.GGUFReader(str(tokenizer_from)), writer)
 
@@ -189,23 +217,26 @@ def write_llama_gguf(model: Any, path: Path, matrix_type: str, *, embedding_type
             data, kind = _encode(values, type_name)
         writer.add_tensor(tensor_name, data, raw_dtype=kind)
 
-    inner = model.model
-    put("token_embd.weight", inner.embed_tokens.weight, embedding_type)
-    for index, layer in enumerate(inner.layers):
-        p = f"blk.{index}."
-        attn, mlp = layer.self_attn, layer.mlp
-        put(p + "attn_norm.weight", layer.input_layernorm.weight, "F32")
-        put(p + "attn_q.weight", attn.q_proj.weight.index_select(0, _llama_rows(heads, head_dim)), matrix_type)
-        put(p + "attn_k.weight", attn.k_proj.weight.index_select(0, _llama_rows(kv_heads, head_dim)), matrix_type)
-        put(p + "attn_v.weight", attn.v_proj.weight, matrix_type)
-        put(p + "attn_output.weight", attn.o_proj.weight, matrix_type)
-        put(p + "ffn_norm.weight", layer.post_attention_layernorm.weight, "F32")
-        put(p + "ffn_gate.weight", mlp.gate_proj.weight, matrix_type)
-        put(p + "ffn_up.weight", mlp.up_proj.weight, matrix_type)
-        put(p + "ffn_down.weight", mlp.down_proj.weight, matrix_type)
-    put("output_norm.weight", inner.norm.weight, "F32")
-    if not getattr(config, "tie_word_embeddings", False):
-        put("output.weight", model.lm_head.weight, embedding_type)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    tied = getattr(config, "tie_word_embeddings", False)
+    for hf_name, values in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        found = names.get_name(base)
+        if found is None:
+            raise ValueError(f"{hf_name}: no GGUF name for it in a {arch} file")
+        tensor_name = f"{found}.{suffix}"
+        kind = tensor_kind(tensor_name)
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            values = values.index_select(0, _llama_rows(heads if kind == "attn_q" else kv_heads, head_dim))
+        if values.dim() == 1:
+            put(tensor_name, values.float() + 1.0 if gemma and "norm" in kind else values, "F32")
+        else:
+            put(tensor_name, values, embedding_type if kind in ("token_embd", "output") else matrix_type)
+    factors = rope_freq_factors(config) if arch == "llama" else None
+    if factors is not None:  # as llama.cpp's converter writes Llama 3's scaling
+        writer.add_tensor("rope_freqs.weight", factors.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

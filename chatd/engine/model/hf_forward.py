@@ -47,9 +47,12 @@ def _row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     if chatd_rows is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
+    window = kwargs.get("sliding_window")  # a layer of sliding-window attention sees its last `window` positions
     outputs = []
     for i, row in enumerate(chatd_rows):
         keys, values = any_layer_kv(row, layer_idx)
+        if window:
+            keys, values = keys[:, -window:], values[:, -window:]
         # query[i]: [heads, 1, head_dim]; keys: [kv_heads, length, head_dim]
         outputs.append(F.scaled_dot_product_attention(
             query[i : i + 1], keys[None].to(query.dtype), values[None].to(query.dtype), scale=scaling,

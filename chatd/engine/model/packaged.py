@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from chatd.engine.model.gguf_file import GGUFSummary, describe_gguf, file_identity
+from chatd.engine.model.gguf_file import GGUFSummary, describe_gguf, file_identity, metadata
+from chatd.engine.model.rope import rope_parameters_from_factors
 from chatd.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -109,7 +112,9 @@ def convert_gguf(gguf_path: Path, data_dir: Path, name: str, source_hash: str, s
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        complete_gguf_config(gguf_path, config)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, config=config,
                                                      dtype=torch.float32)
     except (ValueError, KeyError, RuntimeError, NotImplementedError) as exc:
         raise ConfigError(f"cannot load {gguf_path}: {exc}") from exc
@@ -131,6 +136,66 @@ def convert_gguf(gguf_path: Path, data_dir: Path, name: str, source_hash: str, s
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
     log.info("converted in %.1f s", time.monotonic() - started)
     return target
+
+
+# Gemma's 27B models scale attention scores by the hidden size per head rather than the head size; llama.cpp tells
+# them by their layer count, as this does.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def complete_gguf_config(gguf_path: Path, config: Any) -> None:
+    """Put into ``config`` (transformers' reading of a GGUF's metadata) what its GGUF loader leaves out, as llama.cpp
+    reads the same file: the head size (``key_length``), a sliding window (Phi-3), Gemma 2's soft-capping, Gemma's
+    attention scale, and RoPE scaling (:func:`_recover_rope_scaling`)."""
+    reader = gguf.GGUFReader(str(gguf_path))
+    arch = str(metadata(reader, "general.architecture", ""))
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    key_length = int(metadata(reader, f"{arch}.attention.key_length", 0))
+    if key_length and hasattr(config, "head_dim") and heads:
+        config.head_dim = key_length
+    window = int(metadata(reader, f"{arch}.attention.sliding_window", 0))
+    if window and hasattr(config, "sliding_window") and not getattr(config, "sliding_window", None):
+        config.sliding_window = window
+    if arch == "gemma2":
+        config.attn_logit_softcapping = float(metadata(reader, "gemma2.attn_logit_softcapping", 50.0))
+        config.final_logit_softcapping = float(metadata(reader, "gemma2.final_logit_softcapping", 30.0))
+    if arch in _GEMMA_27B_LAYERS and heads:
+        big = config.num_hidden_layers == _GEMMA_27B_LAYERS[arch]
+        config.query_pre_attn_scalar = config.hidden_size // heads if big else config.head_dim
+    _recover_rope_scaling(gguf_path, reader, arch, config)
+
+
+def _recover_rope_scaling(gguf_path: Path, reader: gguf.GGUFReader, arch: str, config: Any) -> None:
+    """Llama 3's RoPE scaling kept as the ``rope_freqs`` tensor llama.cpp's converter writes, or a scaling kept as
+    ``<arch>.rope.scaling.*`` metadata, put into ``config``. ConfigError where the file scales RoPE in a way chatd
+    cannot reproduce (a model run with plain RoPE would be subtly wrong)."""
+    every = dict(getattr(config, "rope_parameters", None) or {})
+    nested = isinstance(every.get("full_attention"), dict)  # Gemma 3: a scaling is the global layers'
+    params = dict(every["full_attention"]) if nested else every
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    recovered: dict[str, Any] | None = None
+    if freqs is not None:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        recovered = rope_parameters_from_factors(torch.from_numpy(np.array(freqs.data, dtype=np.float32)),
+                                                 theta, head_dim)
+        if recovered is None:
+            raise ConfigError(f"{gguf_path.name}: its rope_freqs tensor is not a RoPE scaling chatd knows")
+    else:
+        kind = str(metadata(reader, f"{arch}.rope.scaling.type", "none"))
+        factor = float(metadata(reader, f"{arch}.rope.scaling.factor", 1.0))
+        original = int(metadata(reader, f"{arch}.rope.scaling.original_context_length", 0))
+        if kind == "linear" and factor != 1.0:
+            recovered = {"rope_type": "linear", "rope_theta": theta, "factor": factor}
+        elif kind == "yarn":
+            recovered = {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
+                         **({"original_max_position_embeddings": original} if original else {})}
+        elif kind not in ("none", "linear"):
+            raise ConfigError(f"{gguf_path.name}: RoPE scaling {kind!r} is not one chatd reproduces")
+    if recovered is not None:
+        log.info("%s scales RoPE: %s", gguf_path.name, recovered)
+        scaled = {**params, **recovered}
+        config.rope_parameters = {**every, "full_attention": scaled} if nested else scaled
 
 
 @dataclass(frozen=True)

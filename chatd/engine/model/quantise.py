@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chatd.engine.model.gguf_file import write_llama_gguf
+from chatd.engine.model.gguf_file import write_gguf
 from chatd.engine.model.packaged import SourceGGUF
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def quantised_q4_file(model: Any, data_dir: Path, weights_hash: str) -> Path:
         return target
     started = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_llama_gguf(model, target, "Q4_1")
+    write_gguf(model, target, "Q4_1")
     log.info("quantised the weights to Q4_1 (Q8_0 embedding) in %.1f s, cached at %s (lossy: "
              "python -m benchmarks.quality measures the agreement)", time.monotonic() - started, target)
     return target

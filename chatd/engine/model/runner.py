@@ -181,7 +181,7 @@ class ModelRunner:
         kv_dtype = resolve_kv_dtype(settings.dtype, device, weights, native=kernels is not None)
         weights_from = "the source's own weights"
         if weights == "q4" and q4_file is not None:
-            forward = gguf_forward(device, q4_file, model, kernels)
+            forward = gguf_forward(device, q4_file, model, kernels, config)
             weights_from = describe_runs_as(q4_file.name, forward.weights.runs_as)
         elif weights == "q4":
             if config.model_type != "llama":  # the quantised cache is a llama GGUF (no biases, no other layout)
@@ -190,7 +190,7 @@ class ModelRunner:
             # Quantised here: the dense twin would hold the unquantised weights, so batches run the blocks too.
             q4_file = quantised_q4_file(model, data_dir, weights_hash)
             weights_from = f"quantised on load to Q4_1, lossy ({not_q4}); cached as {q4_file.name}"
-            forward = gguf_forward(device, q4_file, None, kernels)
+            forward = gguf_forward(device, q4_file, None, kernels, config)
         elif weights != "transformers":
             forward = compact_forward(model, weights, device)
         else:
@@ -234,7 +234,9 @@ class ModelRunner:
             log.info("CPU features: %s; torch's kernels: %s; native tile matmul: %s", features.describe(),
                      torch.backends.cpu.get_cpu_capability(), info.kernels or "no native kernels")
         runner = cls(model, tokenizer, info, forward, kernels)
-        runner.cuda_graphs = settings.cuda_graphs and device.type == "cuda" and forward is not None
+        # The captured decode step (graphs.py) is Llama's arithmetic.
+        runner.cuda_graphs = (settings.cuda_graphs and device.type == "cuda" and forward is not None
+                              and forward.shape.plain)
         runner.huge_pages = settings.huge_pages and device.type == "cpu"
         if runner.huge_pages and forward is not None:
             advice = advise_huge_pages(forward.weight_tensors())

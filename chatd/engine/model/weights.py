@@ -14,11 +14,14 @@ import torch.nn.functional as F
 
 from chatd.engine.kernels.cpu import cpu_features
 from chatd.engine.model.gguf_weights import GGUFWeights
+from chatd.engine.model.rope import Rope, config_rope
 
 # Model types whose forward this module has been checked to reproduce (tests/test_llama_forward.py and
-# tests/test_architectures.py): Mistral is Llama's arithmetic (its sliding window only where it is at least the
-# context), Qwen2 adds q/k/v biases. Anything else keeps transformers' forward.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# tests/test_architectures.py): Mistral is Llama's arithmetic with a sliding window, Qwen2 adds q/k/v biases, Qwen3
+# q/k norms, Phi-3 fuses the projections as this forward does, Gemma 2 and 3 add norms around attention and MLP,
+# scaled embeddings, GELU, alternating local and global layers (and Gemma 2 soft-capping). Anything else keeps
+# transformers' forward.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"})
 
 
 class Linear(Protocol):
@@ -160,8 +163,14 @@ class RowSwitchLinear:
         return cast(Bf16Linear, self.large if x.shape[0] >= self.min_rows else self.small).bf16(x)
 
 
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
 @dataclass(frozen=True)
 class LlamaShape:
+    """A decoder's shape and the parts of its arithmetic that differ between the families the compact forward
+    runs. The defaults are Llama's; :attr:`plain` says a model has nothing else."""
+
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -171,31 +180,91 @@ class LlamaShape:
     rms_norm_eps: float
     rope_theta: float
     max_positions: int
+    ropes: tuple[Rope, ...] = ()
+    """The distinct RoPE tables (empty: the default one of ``rope_theta``)."""
+    layer_ropes: tuple[int, ...] = ()
+    """Each layer's index into ``ropes`` (empty: 0 for every layer)."""
+    windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (a query at position i sees keys at i - window + 1 ... i), None for full
+    attention; empty where no layer's window is shorter than the context."""
+    qk_norm: bool = False
+    """Each head's q and k RMS-normed before RoPE (Qwen3, Gemma 3)."""
+    sandwich_norms: bool = False
+    """The attention's and the MLP's outputs RMS-normed before their residual adds (Gemma 2 and 3)."""
+    activation: str = "silu"
+    """The MLP's gate activation: ``silu`` or ``gelu_tanh``."""
+    embed_scale: float = 1.0
+    """The embeddings' multiplier (Gemma: the square root of the hidden size)."""
+    attention_scale: float | None = None
+    """The scores' multiplier (None: ``head_dim ** -0.5``)."""
+    attention_softcap: float | None = None
+    """Scores capped as ``cap * tanh(score / cap)`` (Gemma 2)."""
+    final_softcap: float | None = None
+    """Logits capped likewise (Gemma 2)."""
+
+    @property
+    def plain(self) -> bool:
+        """Llama's arithmetic throughout, one RoPE table: what the native fused paths run."""
+        return (len(self.ropes) <= 1 and not self.windows and not self.qk_norm and not self.sandwich_norms
+                and self.activation == "silu" and self.embed_scale == 1.0 and self.attention_softcap is None
+                and self.final_softcap is None)
+
+    @property
+    def native_attention(self) -> bool:
+        """Whether the native attention kernel (plain causal attention at any scale) computes every layer's."""
+        return not self.windows and self.attention_softcap is None
+
+    def rope_of(self, layer: int) -> int:
+        return self.layer_ropes[layer] if self.layer_ropes else 0
+
+    def all_ropes(self) -> tuple[Rope, ...]:
+        return self.ropes or (Rope.default(self.rope_theta, self.head_dim),)
 
     @classmethod
     def from_config(cls, config: Any) -> LlamaShape:
-        """Raises ValueError for configs this forward does not reproduce exactly (other RoPE scalings,
-        sliding windows, other architectures)."""
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model type {config.model_type!r} is not a supported Llama-family decoder")
-        rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"RoPE type {rope_type!r} is not supported by the compact forward")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"activation {config.hidden_act!r} is not supported by the compact forward")
-        window = getattr(config, "sliding_window", None)
-        if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
-            raise ValueError(f"sliding-window attention ({window} of {config.max_position_embeddings} positions) "
-                             "is not supported by the compact forward")
+        """Raises ValueError for configs this forward does not reproduce exactly (RoPE scalings that follow the
+        sequence length, partial rotary embeddings, other architectures)."""
+        model_type = config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {model_type!r} is not a supported decoder")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"activation {act!r} is not supported by the compact forward")
         heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        layer_types: list[str] = list(getattr(config, "layer_types", None) or [])
+        params = getattr(config, "rope_parameters", None) or {}
+        per_type = bool(layer_types) and isinstance(params.get(layer_types[0]), dict)
+        if per_type:
+            names = sorted(set(layer_types))
+            ropes = tuple(config_rope(config, name) for name in names)
+            layer_ropes = tuple(names.index(kind) for kind in layer_types)
+        else:
+            ropes, layer_ropes = (config_rope(config, None),), ()
+        positions = int(config.max_position_embeddings)
+        window = getattr(config, "sliding_window", None)
+        windows: tuple[int | None, ...] = ()
+        if window and window < positions:
+            if layer_types:
+                windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+            else:  # Mistral, Phi-3: every layer
+                windows = (window,) * config.num_hidden_layers
+            if not any(windows):
+                windows = ()
+        gemma = model_type.startswith("gemma")
+        scalar = getattr(config, "query_pre_attn_scalar", None)
         return cls(
             num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
             vocab_size=config.vocab_size, rms_norm_eps=float(config.rms_norm_eps),
-            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-            max_positions=int(config.max_position_embeddings),
+            rope_theta=float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)) if not per_type
+                             else 10000.0),
+            max_positions=positions, ropes=ropes, layer_ropes=layer_ropes, windows=windows,
+            qk_norm=model_type in ("qwen3", "gemma3_text"), sandwich_norms=gemma, activation=_ACTIVATIONS[act],
+            embed_scale=float(config.hidden_size ** 0.5) if gemma else 1.0,
+            attention_scale=float(scalar) ** -0.5 if gemma and scalar else None,
+            attention_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
+            final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
         )
 
 
@@ -207,6 +276,10 @@ class LlamaLayer:
     ffn_norm: torch.Tensor  # [hidden] fp32
     gate_up: Linear  # hidden -> 2 * intermediate (gate rows first)
     down: Linear  # intermediate -> hidden
+    q_norm: torch.Tensor | None = None  # [head_dim] fp32 (LlamaShape.qk_norm)
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # [hidden] fp32 (LlamaShape.sandwich_norms)
+    post_ffn_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -222,33 +295,48 @@ class LlamaWeights:
 
 def weights_from_transformers(model: Any, make_linear: Callable[[torch.Tensor, torch.Tensor | None], Linear]
                               | None = None) -> LlamaWeights:
-    """Fuse a loaded transformers Llama-family model's weights for the compact forward.
+    """Fuse a loaded transformers model's weights (a model type of SUPPORTED_MODEL_TYPES) for the compact forward.
 
     ``make_linear(weight [out, in] fp32, bias)`` builds each projection (default: dense, in the model's
-    dtype). The model's tensors are copied into fused ones, so the model can be dropped afterwards.
+    dtype). The model's tensors are copied into fused ones, so the model can be dropped afterwards. Gemma's norms
+    scale by ``1 + weight``: that sum is what is kept.
     """
     shape = LlamaShape.from_config(model.config)
     make = make_linear or (lambda w, b: DenseLinear(w, b))
+    gemma = model.config.model_type.startswith("gemma")
+
+    def norm(module: Any) -> torch.Tensor:
+        weight = module.weight.detach().float()
+        return weight + 1.0 if gemma else weight.clone()
+
+    def joined(owner: Any, fused: str, parts: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if hasattr(owner, fused):  # Phi-3 holds them fused already
+            linear = getattr(owner, fused)
+            return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+        linears = [getattr(owner, name) for name in parts]
+        biases = [getattr(linear, "bias", None) for linear in linears]
+        bias = torch.cat([b for b in biases if b is not None]).detach() if None not in biases else None
+        return torch.cat([linear.weight for linear in linears]).detach(), bias
+
     inner = model.model
     layers = []
     for block in inner.layers:
         attn, mlp = block.self_attn, block.mlp
-        qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        qkv_b = torch.cat(biases).detach() if all(b is not None for b in biases) else None
-        if getattr(mlp.gate_proj, "bias", None) is not None or getattr(attn.o_proj, "bias", None) is not None:
+        qkv_w, qkv_b = joined(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        gate_up_w, gate_up_b = joined(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        if gate_up_b is not None or getattr(attn.o_proj, "bias", None) is not None \
+                or getattr(mlp.down_proj, "bias", None) is not None:
             raise ValueError("biases outside the q/k/v projections are not supported by the compact forward")
         layers.append(LlamaLayer(
-            attn_norm=block.input_layernorm.weight.detach().float(),
-            qkv=make(qkv_w, qkv_b),
-            o=make(attn.o_proj.weight.detach(), None),
-            ffn_norm=block.post_attention_layernorm.weight.detach().float(),
-            gate_up=make(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), None),
-            down=make(mlp.down_proj.weight.detach(), None),
+            attn_norm=norm(block.input_layernorm), qkv=make(qkv_w, qkv_b), o=make(attn.o_proj.weight.detach(), None),
+            ffn_norm=norm(block.pre_feedforward_layernorm if gemma else block.post_attention_layernorm),
+            gate_up=make(gate_up_w, None), down=make(mlp.down_proj.weight.detach(), None),
+            q_norm=norm(attn.q_norm) if shape.qk_norm else None, k_norm=norm(attn.k_norm) if shape.qk_norm else None,
+            post_attn_norm=norm(block.post_attention_layernorm) if gemma else None,
+            post_ffn_norm=norm(block.post_feedforward_layernorm) if gemma else None,
         ))
     return LlamaWeights(shape=shape, embed=DenseEmbedding(inner.embed_tokens.weight.detach().float()), layers=layers,
-                        norm=inner.norm.weight.detach().float(),
-                        lm_head=make(model.lm_head.weight.detach(), None))
+                        norm=norm(inner.norm), lm_head=make(model.lm_head.weight.detach(), None))
 
 
 def bf16_matmul_is_fast() -> bool:
@@ -264,16 +352,25 @@ def bf16_matmul_is_fast() -> bool:
         return False
 
 
-def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None, min_rows: int = 32) -> LlamaWeights:
+def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None, min_rows: int = 32,
+                      config: Any | None = None) -> LlamaWeights:
     """The compact forward over a GGUF's own quantised blocks (chatd/engine/model/quant.py): Q4_1 projections
     through the int4 kernel, the Q8_0 embedding looked up row by row and used as the LM head.
 
     ``dense``: the same weights dequantised (fp32, or bf16 where the CPU has bf16 matmul units); batches of
-    at least ``min_rows`` rows (prefill chunks, batched decode steps) then run those, LM head included."""
+    at least ``min_rows`` rows (prefill chunks, batched decode steps) then run those, LM head included.
+    ``config``: the model's transformers config (the converted folder's), whose RoPE scaling the file's header
+    does not carry; without it the file's plain RoPE."""
     d = gguf.dims
     shape = LlamaShape(num_layers=d.num_layers, hidden_size=d.hidden_size, num_heads=d.num_heads,
                        num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, vocab_size=d.vocab_size,
                        rms_norm_eps=d.rms_norm_eps, rope_theta=d.rope_theta, max_positions=d.context_length)
+    if config is not None:
+        described = LlamaShape.from_config(config)
+        if (described.num_layers, described.hidden_size, described.num_heads, described.num_kv_heads) != (
+                d.num_layers, d.hidden_size, d.num_heads, d.num_kv_heads) or not described.plain:
+            raise ValueError("the GGUF's shape is not its converted model's")
+        shape = described
     def pick(small: Linear, large: Linear | None) -> Linear:
         return small if large is None else RowSwitchLinear(small, large, min_rows)
 

@@ -97,7 +97,10 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor], *, min_bytes: int = MIN_B
     for tensor in tensors:
         if tensor.device.type != "cpu":
             continue
-        storage = tensor.untyped_storage()
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # an opaque tensor (a weight oneDNN prepacked) has no storage
+            continue
         start, size = storage.data_ptr(), storage.nbytes()
         if size < min_bytes:
             continue
