@@ -118,6 +118,32 @@ def test_the_compact_forward_reproduces_transformers(folders: dict[str, Path], t
         assert close.ratio >= 0.9 and close.clear_misses == 0, weights
 
 
+def test_a_window_no_run_reaches_attends_through_the_native_kernel(folders: dict[str, Path], tmp_path: Path) -> None:
+    """A sliding window longer than every run's view (but shorter than the context) cuts nothing: the step takes
+    the native attention kernel, with transformers' logits."""
+    model = reference(folders["mistral"])
+    model.config.sliding_window = 1000
+    folder = tmp_path / "wide-window"
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(folders["mistral"]).save_pretrained(folder)
+    runner = load(folder, tmp_path)
+    forward = runner.forward
+    assert forward is not None and forward.shape.windows == (1000, 1000)
+    if forward.kernels is None:
+        pytest.skip("the native kernels did not build here: nothing native to take")
+    native = forward.kernels.decode_attention
+    calls = []
+
+    def counted(*args: Any) -> None:
+        calls.append(1)
+        native(*args)
+
+    forward.kernels.decode_attention = counted  # type: ignore[method-assign]
+    agreement = teacher_forced_agreement(runner, reference(folder))
+    assert agreement.agree == agreement.total and agreement.max_abs_diff < 1e-3
+    assert calls
+
+
 def test_what_each_architecture_changes_is_in_its_shape(folders: dict[str, Path], tmp_path: Path) -> None:
     shapes = {arch: load(folders[arch], tmp_path).forward.shape for arch in COMPACT}  # type: ignore[union-attr]
     assert shapes["llama"].plain and shapes["qwen2"].plain
@@ -198,7 +224,30 @@ def test_an_architecture_the_compact_forward_lacks_runs_on_transformers(
         load(folders["gpt_neox"], tmp_path, "float32")
 
 
-def test_q4_quantises_llama_models_only(folders: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="Llama models only, not 'qwen2'"):
-        load(folders["qwen2"], tmp_path, "q4")
+# A llama GGUF has no sliding window (see above), so Mistral's quantised file cannot be read back as a reference.
+@pytest.mark.parametrize("arch", [name for name in COMPACT if name != "mistral"])
+def test_q4_runs_each_architecture(folders: dict[str, Path], tmp_path: Path, arch: str) -> None:
+    """``q4`` on every architecture: a Q4_1 GGUF's own blocks (biases, q/k norms, Gemma's norms, Phi-3's fused
+    tensors read from the file) and the folder quantised on load (the same blocks), each close to transformers'
+    eager forward over the file's weights dequantised. (Against the unquantised folder 4 bits lose more than the
+    tiny models' margins: the comparison is with the weights the blocks hold.)"""
+    path = tmp_path / f"{arch}-Q4_1.gguf"
+    write_gguf(reference(folders[arch]), path, "Q4_1", tokenizer_from=package_dir() / PACKAGED_GGUF, name=arch)
+    load(path, tmp_path, "float32")  # converts the file: its folder holds the dequantised weights
+    converted = next(folder for folder in (tmp_path / "models").iterdir() if (folder / "config.json").exists())
+    want = reference(converted)
+    blocks = load(path, tmp_path, "auto")  # auto runs a GGUF's blocks on the CPU
+    assert blocks.info.weights == "q4" and blocks.info.weights_from == f"the blocks of {path.name} as they are"
+    on_load = load(folders[arch], tmp_path, "q4")
+    assert on_load.forward is not None and "quantised on load to Q4_1" in on_load.info.weights_from
+    assert on_load.forward.shape == load(folders[arch], tmp_path).forward.shape  # type: ignore[union-attr]
+    for runner in (blocks, on_load):
+        close = teacher_forced_agreement(runner, want)
+        # The kernels round activations to int8 per block of 32: near-ties may flip, clear winners may not.
+        assert close.ratio >= 0.85 and close.clear_misses == 0, (runner.info.weights_from, close)
+
+
+def test_q4_refuses_to_quantise_what_it_cannot_write(folders: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="gpt_neox"):
+        load(folders["gpt_neox"], tmp_path, "q4")
     assert not (tmp_path / "models").exists()

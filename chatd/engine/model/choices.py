@@ -126,7 +126,7 @@ FP32_TWIN_MIN_ROWS = 32
 
 def gguf_forward(device: torch.device, path: Path, dequantised: Any | None = None,
                  kernels: EngineKernels | None = None, config: Any | None = None) -> LlamaForward:
-    """The compact forward over a llama GGUF's Q4_0 / Q4_1 / Q8_0 blocks at ``path`` (CPU int4 kernel).
+    """The compact forward over a GGUF's quantised blocks at ``path`` (gguf_weights: each type read as Q4_1 or Q8_0).
 
     ``kernels`` with a tile matmul (:attr:`EngineKernels.tile_matmul_kind`: AMX tiles, AVX512-VNNI
     or AVX2 vectors; with AMX, steps of few rows on the vectors): the Q4_1 and Q8_0 blocks run on it, at the blocks'

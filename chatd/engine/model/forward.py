@@ -268,7 +268,7 @@ class LlamaForward:
         # block tables, each row over its own causal prefix; chunks longer than native_attention_max_run (and every
         # run without the kernel) attend through torch's SDPA, which reuses K/V across query rows.
         natives = ([run for run, n in enumerate(lengths) if n <= self.native_attention_max_run]
-                   if self.kernels is not None and self.shape.native_attention else [])
+                   if self.kernels is not None and self._attends_natively(starts, lengths) else [])
         others = sorted(set(range(len(runs))) - set(natives))
         # Causal over the cached prefix and the run itself: new token j sees positions <= start + j. A single new
         # token sees everything, so needs no mask.
@@ -281,6 +281,17 @@ class LlamaForward:
             positions = positions.to(device=self.device, dtype=torch.int64).contiguous()
         return _Layout(lengths=lengths, starts=starts, bounds=bounds, positions=positions, natives=natives,
                        others=others, masks=masks, views=views, tables=tables, window_masks={})
+
+    def _attends_natively(self, starts: Sequence[int], lengths: Sequence[int]) -> bool:
+        """Whether the native kernel (plain causal attention) computes this step's attention in every layer: no
+        soft-capping, and no sliding window that cuts into a run's view (every run ends within the shortest)."""
+        s = self.shape
+        if s.attention_softcap is not None:
+            return False
+        if s.native_attention:
+            return True
+        end = max(start + n for start, n in zip(starts, lengths, strict=True))
+        return end <= min(window for window in s.windows if window)
 
     def _mask(self, layout: _Layout, run: int, window: int | None) -> torch.Tensor | None:
         """Run ``run``'s mask in a layer of sliding ``window`` (None: full attention), folded like its queries:

@@ -1,5 +1,6 @@
-"""A llama GGUF's weights as the compact forward's q4 path runs them: every projection in one of the two block
-formats the kernels multiply (Q4_1 or Q8_0, :mod:`chatd.engine.model.quant`), whatever ggml type the file holds.
+"""A GGUF's weights as the compact forward's q4 path runs them (the architectures of Q4_ARCHITECTURES): every
+projection in one of the two block formats the kernels multiply (Q4_1 or Q8_0, :mod:`chatd.engine.model.quant`),
+whatever ggml type the file holds.
 
 Each tensor is read at the closest format it fits, and the load says how (:attr:`GGUFWeights.runs_as`):
 
@@ -131,6 +132,21 @@ def q4_k_as_q4_1(raw: np.ndarray, n: int, k: int) -> Q4_1Weight:
         quants=torch.from_numpy(np.ascontiguousarray(quants)))
 
 
+class BiasedLinear:
+    """A block projection plus a bias added in fp32 (Qwen2's q/k/v; the block kernels take none)."""
+
+    def __init__(self, inner: Any, bias: torch.Tensor) -> None:
+        self.inner, self.bias = inner, bias.float().contiguous()  # [out_features]
+        self.in_features, self.out_features = int(inner.in_features), int(inner.out_features)
+        self.takes_bf16 = bool(getattr(inner, "takes_bf16", False))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + self.bias
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.inner.bf16(x).float() + self.bias).to(torch.bfloat16)
+
+
 class ConcatLinear:
     """Projections of one input run one after the other, outputs side by side (a fused group whose weights
     are in different block formats). bf16 in and out where every part takes bf16."""
@@ -148,10 +164,16 @@ class ConcatLinear:
         return torch.cat([part.bf16(x) for part in self.parts], dim=-1)
 
 
+# GGUF architectures whose files the q4 path reads (as llama.cpp lays them out; chatd.engine.model.gguf_file
+# writes the same): the compact forward's families.
+Q4_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
+
 @dataclass(frozen=True)
 class LlamaDims:
     """The model's shape and constants, read from the GGUF metadata."""
 
+    architecture: str
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -190,6 +212,10 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [H] fp32
     gate_up: Any  # H -> 2 * I
     down: Any  # I -> H
+    q_norm: torch.Tensor | None = None  # [head_dim] fp32 (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # [H] fp32 (Gemma; stored as 1 + weight, as it runs)
+    post_ffn_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -211,31 +237,33 @@ class GGUFWeights:
 
 
 def read_dims(reader: gguf.GGUFReader) -> LlamaDims:
-    """The llama dimensions and constants from a GGUF file's metadata (``llama.*`` keys)."""
+    """The dimensions and constants from a GGUF file's metadata (``<architecture>.*`` keys)."""
 
     def field(key: str, default: Any = None) -> Any:
         found = reader.fields.get(key)
         return default if found is None else found.contents()
 
     arch = str(field("general.architecture"))
-    if arch != "llama":
-        raise ValueError(f"expected a llama GGUF, got architecture {arch!r}")
-    hidden = int(field("llama.embedding_length"))
-    heads = int(field("llama.attention.head_count"))
-    vocab = field("llama.vocab_size")
+    if arch not in Q4_ARCHITECTURES:
+        raise ValueError(f"expected a GGUF of {', '.join(Q4_ARCHITECTURES)}, got architecture {arch!r}")
+    hidden = int(field(f"{arch}.embedding_length"))
+    heads = int(field(f"{arch}.attention.head_count"))
+    vocab = field(f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(field("tokenizer.ggml.tokens", []))
     return LlamaDims(
+        architecture=arch,
         hidden_size=hidden,
-        num_layers=int(field("llama.block_count")),
+        num_layers=int(field(f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(field("llama.attention.head_count_kv", heads)),
-        head_dim=int(field("llama.rope.dimension_count", hidden // heads)),
-        intermediate_size=int(field("llama.feed_forward_length")),
+        num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(f"{arch}.attention.key_length", 0)
+                     or field(f"{arch}.rope.dimension_count", hidden // heads)),
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
         vocab_size=int(vocab),
-        context_length=int(field("llama.context_length")),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
+        context_length=int(field(f"{arch}.context_length")),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         bos_token_id=_optional_int(field("tokenizer.ggml.bos_token_id")),
         eos_token_id=_optional_int(field("tokenizer.ggml.eos_token_id")),
     )
@@ -275,9 +303,10 @@ class Maker:
 
 def read_layer(reader: gguf.GGUFReader, dims: LlamaDims, index: int, make: Maker | None = None,
                runs_as: dict[str, str] | None = None) -> LayerWeights:
-    """Decoder layer ``index`` of a llama GGUF, each matrix in a block format (:func:`read_blocks`) made a
-    projection by ``make`` (torch's int4 kernel by default; q and k rows reordered to transformers' layout,
-    q|k|v and gate|up fused). ``runs_as`` collects how each tensor kind runs."""
+    """Decoder layer ``index`` of a GGUF, each matrix in a block format (:func:`read_blocks`) made a projection by
+    ``make`` (torch's int4 kernel by default; a llama file's q and k rows reordered to transformers' layout; q|k|v
+    and gate|up fused, as Phi-3's files hold them already), with the layer's biases and extra norms where the
+    architecture has them. ``runs_as`` collects how each tensor kind runs."""
     make = make or Maker(None)
     tensors = {t.name: t for t in reader.tensors}
     p = f"blk.{index}."
@@ -289,15 +318,26 @@ def read_layer(reader: gguf.GGUFReader, dims: LlamaDims, index: int, make: Maker
             runs_as.setdefault(kind, f"{tensor.tensor_type.name}: {how}")
         return weight if rows is None else weight.select_rows(rows)
 
-    qkv = [blocks("attn_q", rope_row_order(dims.num_heads, dims.head_dim)),
-           blocks("attn_k", rope_row_order(dims.num_kv_heads, dims.head_dim)), blocks("attn_v")]
+    def vector(kind: str) -> torch.Tensor | None:
+        return _vector(tensors, p + kind) if p + kind in tensors else None
+
+    llama = dims.architecture == "llama"  # llama.cpp interleaves a llama file's q and k rows for its RoPE
+    if p + "attn_qkv.weight" in tensors:
+        qkv = make(blocks("attn_qkv"))
+    else:
+        qkv = make.fused([blocks("attn_q", rope_row_order(dims.num_heads, dims.head_dim) if llama else None),
+                          blocks("attn_k", rope_row_order(dims.num_kv_heads, dims.head_dim) if llama else None),
+                          blocks("attn_v")])
+    biases = [vector(f"{kind}.bias") for kind in ("attn_q", "attn_k", "attn_v")]
+    if not llama and all(b is not None for b in biases):
+        qkv = BiasedLinear(qkv, torch.cat([b for b in biases if b is not None]))
+    gate_up = (make.fused([blocks("ffn_gate"), blocks("ffn_up")]) if p + "ffn_gate.weight" in tensors
+               else make(blocks("ffn_up")))  # Phi-3: gate and up in one tensor
     return LayerWeights(
-        attn_norm=_vector(tensors, p + "attn_norm.weight"),
-        qkv=make.fused(qkv),
-        o=make(blocks("attn_output")),
-        ffn_norm=_vector(tensors, p + "ffn_norm.weight"),
-        gate_up=make.fused([blocks("ffn_gate"), blocks("ffn_up")]),
-        down=make(blocks("ffn_down")),
+        attn_norm=_vector(tensors, p + "attn_norm.weight"), qkv=qkv, o=make(blocks("attn_output")),
+        ffn_norm=_vector(tensors, p + "ffn_norm.weight"), gate_up=gate_up, down=make(blocks("ffn_down")),
+        q_norm=vector("attn_q_norm.weight"), k_norm=vector("attn_k_norm.weight"),
+        post_attn_norm=vector("post_attention_norm.weight"), post_ffn_norm=vector("post_ffw_norm.weight"),
     )
 
 
@@ -312,11 +352,11 @@ def _table(tensors: dict[str, Any], name: str, runs_as: dict[str, str]) -> Q8_0W
 
 
 def load_gguf_weights(path: str | Path, lm_head: str = "q8_0", kernels: Any | None = None) -> GGUFWeights:
-    """Read a llama GGUF's matrices into block formats (:func:`read_blocks`) and pack them for torch's int4
-    kernel, or for the native tile kernel where ``kernels`` (:class:`chatd.engine.kernels.loader.EngineKernels`)
-    has one. ``lm_head``: ``"q8_0"`` (:class:`Q8_0Linear` or the tile kernel) or ``"int8_rows"``
-    (:class:`Int8RowLinear`). A separate ``output.weight`` is used for the head when the file has one. The
-    result holds no fp32 copy of a quantised matrix."""
+    """Read a GGUF's matrices (an architecture of Q4_ARCHITECTURES) into block formats (:func:`read_blocks`) and
+    pack them for torch's int4 kernel, or for the native tile kernel where ``kernels``
+    (:class:`chatd.engine.kernels.loader.EngineKernels`) has one. ``lm_head``: ``"q8_0"`` (:class:`Q8_0Linear`
+    or the tile kernel) or ``"int8_rows"`` (:class:`Int8RowLinear`). A separate ``output.weight`` is used for the
+    head when the file has one. The result holds no fp32 copy of a quantised matrix."""
     make = Maker(kernels)
     reader = gguf.GGUFReader(str(path))
     dims = read_dims(reader)

@@ -1,5 +1,5 @@
-"""``[model] weights = "q4"`` for any Llama-shaped source: the file's own quantised blocks where the source is a
-GGUF that holds them (each type as :mod:`chatd.engine.model.gguf_weights` runs it), otherwise the weights
+"""``[model] weights = "q4"`` for any source the compact forward runs: the file's own quantised blocks where the
+source is a GGUF that holds them (each type as :mod:`chatd.engine.model.gguf_weights` runs it), otherwise the weights
 quantised on load to Q4_1 (token embedding and LM head Q8_0) and cached on disk as a GGUF, so later starts read
 the blocks instead of quantising again.
 
@@ -15,22 +15,27 @@ from pathlib import Path
 from typing import Any
 
 from chatd.engine.model.gguf_file import write_gguf
+from chatd.engine.model.gguf_weights import Q4_ARCHITECTURES
 from chatd.engine.model.packaged import SourceGGUF
 
 log = logging.getLogger(__name__)
 
 UNQUANTISED_TYPES = frozenset({"F32", "F16", "BF16"})  # q4 quantises these on load rather than run them
-_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 QUANTISED_VERSION = 1  # bump when the cached file's layout or quantiser changes
 
 
 def q4_blocks_problem(architecture: str, tensor_types: dict[str, str]) -> str | None:
-    """Why a GGUF's own blocks cannot run as ``q4`` (None when they can): a llama file whose projections are
-    quantised (any ggml block type; gguf_weights.read_blocks says per type how it runs). ``tensor_types``: tensor
-    kind -> type names joined by ``+`` (:attr:`chatd.engine.model.gguf_file.GGUFSummary.tensor_types`)."""
-    if architecture != "llama":
+    """Why a GGUF's own blocks cannot run as ``q4`` (None when they can): a file of an architecture the q4 path
+    reads (gguf_weights.Q4_ARCHITECTURES) whose projections are quantised (any ggml block type;
+    gguf_weights.read_blocks says per type how it runs). ``tensor_types``: tensor kind -> type names joined by
+    ``+`` (:attr:`chatd.engine.model.gguf_file.GGUFSummary.tensor_types`)."""
+    if architecture not in Q4_ARCHITECTURES:
         return f"architecture {architecture!r}"
-    for kind in _PROJECTIONS:
+    # Phi-3's files fuse q|k|v (attn_qkv) and gate|up (ffn_up alone); the others keep them apart.
+    fused = "attn_qkv" in tensor_types
+    kinds = [*(("attn_qkv",) if fused else ("attn_q", "attn_k", "attn_v")), "attn_output",
+             *(() if fused and "ffn_gate" not in tensor_types else ("ffn_gate",)), "ffn_up", "ffn_down"]
+    for kind in kinds:
         types = set(tensor_types.get(kind, "missing").split("+"))
         if types & UNQUANTISED_TYPES or "missing" in types:
             return f"{kind} is {'+'.join(sorted(types))}"

@@ -42,6 +42,7 @@ from chatd.engine.model.choices import (
     resolve_weights,
 )
 from chatd.engine.model.forward import LlamaForward
+from chatd.engine.model.gguf_file import GGUF_ARCHITECTURES
 from chatd.engine.model.graphs import DecodeGraphs
 from chatd.engine.model.hf_forward import ATTN_IMPLEMENTATION, TransformersForward, register_row_attention
 from chatd.engine.model.packaged import (
@@ -184,9 +185,9 @@ class ModelRunner:
             forward = gguf_forward(device, q4_file, model, kernels, config)
             weights_from = describe_runs_as(q4_file.name, forward.weights.runs_as)
         elif weights == "q4":
-            if config.model_type != "llama":  # the quantised cache is a llama GGUF (no biases, no other layout)
-                raise ConfigError(f'model.weights = "q4" quantises on load Llama models only, not '
-                                  f'{config.model_type!r}: use float32, bfloat16 or int8')
+            if config.model_type not in GGUF_ARCHITECTURES:  # the quantised cache is a GGUF file
+                raise ConfigError(f'model.weights = "q4" cannot quantise a {config.model_type!r} model on load: '
+                                  'use float32, bfloat16 or int8')
             # Quantised here: the dense twin would hold the unquantised weights, so batches run the blocks too.
             q4_file = quantised_q4_file(model, data_dir, weights_hash)
             weights_from = f"quantised on load to Q4_1, lossy ({not_q4}); cached as {q4_file.name}"

@@ -367,10 +367,12 @@ def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None, min_
                        rms_norm_eps=d.rms_norm_eps, rope_theta=d.rope_theta, max_positions=d.context_length)
     if config is not None:
         described = LlamaShape.from_config(config)
-        if (described.num_layers, described.hidden_size, described.num_heads, described.num_kv_heads) != (
-                d.num_layers, d.hidden_size, d.num_heads, d.num_kv_heads) or not described.plain:
+        if (described.num_layers, described.hidden_size, described.num_heads, described.num_kv_heads,
+                described.head_dim) != (d.num_layers, d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim):
             raise ValueError("the GGUF's shape is not its converted model's")
         shape = described
+    elif d.architecture != "llama":
+        raise ValueError(f"a {d.architecture} GGUF's blocks run with its model's config")
     def pick(small: Linear, large: Linear | None) -> Linear:
         return small if large is None else RowSwitchLinear(small, large, min_rows)
 
@@ -381,7 +383,8 @@ def weights_from_gguf(gguf: GGUFWeights, dense: LlamaWeights | None = None, min_
             attn_norm=layer.attn_norm, ffn_norm=layer.ffn_norm,
             qkv=pick(layer.qkv, twin.qkv if twin else None), o=pick(layer.o, twin.o if twin else None),
             gate_up=pick(layer.gate_up, twin.gate_up if twin else None),
-            down=pick(layer.down, twin.down if twin else None)))
+            down=pick(layer.down, twin.down if twin else None), q_norm=layer.q_norm, k_norm=layer.k_norm,
+            post_attn_norm=layer.post_attn_norm, post_ffn_norm=layer.post_ffn_norm))
     return LlamaWeights(shape=shape, embed=gguf.embed_tokens.rows, layers=layers, norm=gguf.final_norm,
                         lm_head=pick(cast(Linear, gguf.lm_head), dense.lm_head if dense is not None else None),
                         runs_as=dict(gguf.runs_as))
